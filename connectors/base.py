@@ -1,0 +1,98 @@
+"""What every document source shares: the item it lists, its error and its protocol."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+# A file `report.pdf` may carry its questions beside it, in `report.pdf.questions.txt` (one
+# question a line) or `report.pdf.questions.json` (a list of strings, or {"questions": [...]}).
+SIDECAR_SUFFIXES = (".questions.txt", ".questions.json")
+
+
+@dataclass(frozen=True)
+class SourceItem:
+    """One input document: cheap to list, picklable, read later (or carried inline)."""
+
+    uri: str
+    name: str
+    size: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    text: str | None = None
+    data: bytes | None = None
+    questions: tuple[str, ...] = ()
+
+
+class SourceError(RuntimeError):
+    """A source that cannot be read, in one line: what is wrong and what to do about it."""
+
+
+@runtime_checkable
+class Source(Protocol):
+    def check(self) -> None:
+        """Raises SourceError now when items() or read_bytes() could not work."""
+        ...
+
+    def items(self) -> Iterator[SourceItem]:
+        """Streams the documents, in a deterministic order, without listing them all first."""
+        ...
+
+    def read_bytes(self, item: SourceItem) -> bytes:
+        """The content of an item that carries none inline."""
+        ...
+
+
+def is_sidecar(name: str) -> bool:
+    return name.endswith(SIDECAR_SUFFIXES)
+
+
+def is_hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def parse_sidecar(name: str, data: bytes) -> tuple[str, ...]:
+    """The questions in a sidecar file's content."""
+    text = data.decode("utf-8-sig")
+    if not name.endswith(".json"):
+        return coerce_questions(text, name)
+    try:
+        return coerce_questions(json.loads(text), name)
+    except ValueError as e:
+        raise SourceError(f"{name}: not valid JSON ({e}): write a list of questions") from None
+
+
+def coerce_questions(value: Any, where: str) -> tuple[str, ...]:
+    """Questions from a column or sidecar value: a list, {"questions": [...]}, a JSON list as
+    text, or text with one question a line. `where` names the value in errors."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        value = value.get("questions", ())
+    if isinstance(value, str):
+        stripped = value.strip()
+        if stripped.startswith("["):
+            try:
+                return coerce_questions(json.loads(stripped), where)
+            except ValueError:
+                pass
+        return tuple(line.strip() for line in stripped.splitlines() if line.strip())
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return tuple(question.strip() for question in value if question.strip())
+    raise SourceError(f"{where}: questions must be text or a list of strings")
+
+
+def plain_value(value: Any) -> Any:
+    """A metadata value as plain, JSON-friendly Python (dates and decimals become text)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain_value(v) for k, v in value.items()}
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return str(value)

@@ -1,0 +1,112 @@
+"""Documents on the local file system: files, folders (recursive) and glob patterns."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from connectors.base import (
+    SIDECAR_SUFFIXES,
+    SourceError,
+    SourceItem,
+    is_hidden,
+    is_sidecar,
+    parse_sidecar,
+)
+
+GLOB_CHARS = ("*", "?", "[")
+
+
+def expand_paths(paths: Sequence[str]) -> Iterator[Path]:
+    """The files that paths name, once each, in order: every argument in turn, and within a
+    folder or a glob sorted by path. Hidden files and folders are skipped inside folders and
+    globs, and so are sidecar question files."""
+    seen: set[Path] = set()
+    for pattern in paths:
+        for path in _expand_one(pattern):
+            if path not in seen and not is_sidecar(path.name):
+                seen.add(path)
+                yield path
+
+
+def _expand_one(pattern: str) -> Iterator[Path]:
+    pattern = os.path.expanduser(_strip_file_scheme(pattern))
+    if any(char in pattern for char in GLOB_CHARS):
+        for match in sorted(glob.iglob(pattern, recursive=True)):
+            path = Path(match).absolute()
+            if path.is_dir():
+                yield from _walk(path)
+            elif path.is_file():
+                yield path
+        return
+    path = Path(pattern).absolute()
+    if path.is_dir():
+        yield from _walk(path)
+    elif path.is_file():
+        yield path
+
+
+def _walk(folder: Path) -> Iterator[Path]:
+    for root, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(name for name in dirnames if not is_hidden(name))
+        for name in sorted(filenames):
+            if not is_hidden(name):
+                yield Path(root, name)
+
+
+def _strip_file_scheme(path: str) -> str:
+    return unquote(urlparse(path).path) if path.startswith("file://") else path
+
+
+def path_of(uri: str) -> Path:
+    """The local path of a file:// URI."""
+    return Path(_strip_file_scheme(uri))
+
+
+class LocalSource:
+    """Files named by paths: each a file, a folder (read recursively) or a glob pattern."""
+
+    def __init__(self, paths: Sequence[str] | str) -> None:
+        self.paths = [paths] if isinstance(paths, str) else list(paths)
+
+    def __repr__(self) -> str:
+        return f"LocalSource({self.paths!r})"
+
+    def check(self) -> None:
+        if not self.paths:
+            raise SourceError("no input path given: name files, folders or glob patterns")
+        for pattern in self.paths:
+            if next(_expand_one(pattern), None) is None:
+                raise SourceError(
+                    f"no input files at {pattern!r}: check that the path exists and is readable"
+                )
+
+    def items(self) -> Iterator[SourceItem]:
+        for path in expand_paths(self.paths):
+            stat = path.stat()
+            yield SourceItem(
+                uri=path.as_uri(),
+                name=path.name,
+                size=stat.st_size,
+                metadata={"mtime": stat.st_mtime},
+                questions=_sidecar_questions(path),
+            )
+
+    def read_bytes(self, item: SourceItem) -> bytes:
+        path = path_of(item.uri)
+        try:
+            return path.read_bytes()
+        except OSError as e:
+            raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _sidecar_questions(path: Path) -> tuple[str, ...]:
+    questions: tuple[str, ...] = ()
+    for suffix in SIDECAR_SUFFIXES:
+        sidecar = path.with_name(path.name + suffix)
+        if sidecar.is_file():
+            questions += parse_sidecar(sidecar.name, sidecar.read_bytes())
+    return questions

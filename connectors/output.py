@@ -1,0 +1,60 @@
+"""Where results go: a local folder or s3://bucket/prefix, as a pyarrow filesystem."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pyarrow.fs as pafs
+
+
+class OutputError(RuntimeError):
+    """An output location that cannot be written, in one line: what is wrong and what to do."""
+
+
+def open_output(
+    uri: str, s3_endpoint_url: str | None = None, region: str | None = None
+) -> tuple[pafs.FileSystem, str]:
+    """The filesystem and base path of a local folder, a file:// URI or s3://bucket/prefix.
+
+    S3 credentials come from the standard chain (environment, profile, instance role).
+    """
+    parsed = urlparse(uri)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise OutputError(f"not an S3 URI: {uri!r}: write it as s3://bucket/prefix")
+        filesystem = pafs.S3FileSystem(endpoint_override=s3_endpoint_url, region=region)
+        return filesystem, f"{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/")
+    path = unquote(parsed.path) if parsed.scheme == "file" else uri
+    return pafs.LocalFileSystem(), Path(path).expanduser().absolute().as_posix()
+
+
+def check_output(filesystem: pafs.FileSystem, base: str) -> None:
+    """Raises OutputError unless a file can be written (and removed) under base: the folder is
+    made if needed; an S3 bucket must exist already (pyarrow may leave an empty folder marker
+    object `base/` there)."""
+    if isinstance(filesystem, pafs.S3FileSystem):
+        bucket = base.split("/", 1)[0]
+        try:
+            found = filesystem.get_file_info(bucket)
+        except OSError as e:
+            raise OutputError(
+                f"cannot open S3 bucket {bucket!r}: {_first_line(e)}: "
+                "check the AWS credentials and the endpoint"
+            ) from None
+        if found.type == pafs.FileType.NotFound:
+            raise OutputError(f"S3 bucket {bucket!r} does not exist: create it or fix the URI")
+    probe = f"{base}/.memstream-write-check-{uuid.uuid4().hex}"
+    try:
+        if isinstance(filesystem, pafs.LocalFileSystem):  # S3 has no folders to make
+            filesystem.create_dir(base, recursive=True)
+        with filesystem.open_output_stream(probe) as stream:
+            stream.write(b"ok")
+        filesystem.delete_file(probe)
+    except OSError as e:
+        raise OutputError(f"cannot write to {base}: {_first_line(e)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -1,0 +1,147 @@
+"""Documents in the rows of an SQL query, streamed from the server in batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
+from sqlalchemy.pool import NullPool
+
+from connectors.base import SourceError, SourceItem, coerce_questions, plain_value
+
+# The project installs psycopg 3, while SQLAlchemy's plain "postgresql://" means psycopg2.
+DEFAULT_DRIVERS = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg"}
+
+
+class SqlSource:
+    """One document per row of `query`: its id, and its content in a text or a blob column.
+
+    The password of `url` never shows in repr, errors or item URIs. The engine is made on first
+    use, so the source pickles to Ray workers.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        query: str,
+        id_column: str = "id",
+        text_column: str | None = "text",
+        blob_column: str | None = None,
+        name_column: str | None = None,
+        metadata_columns: Sequence[str] = (),
+        questions_column: str | None = None,
+        batch_size: int = 500,
+    ) -> None:
+        if not text_column and not blob_column:
+            raise SourceError("an SQL source needs a text_column or a blob_column")
+        self.url = _parse_url(url)
+        self.query = query.strip().rstrip(";")
+        self.id_column = id_column
+        self.text_column = text_column
+        self.blob_column = blob_column
+        self.name_column = name_column
+        self.metadata_columns = list(metadata_columns)
+        self.questions_column = questions_column
+        self.batch_size = batch_size
+        self._engine: Engine | None = None
+
+    def __repr__(self) -> str:
+        return f"SqlSource({self.safe_url!r}, {self.query!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_engine": None}
+
+    @property
+    def safe_url(self) -> str:
+        return self.url.render_as_string(hide_password=True)
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            try:
+                self._engine = create_engine(self.url, poolclass=NullPool)
+            except ImportError as e:
+                raise SourceError(
+                    f"the database driver for {self.url.drivername} is not installed ({e.name}): "
+                    "pip install it, or name an installed driver in the URL"
+                ) from None
+        return self._engine
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns that items() reads."""
+        named = [self.id_column, self.text_column, self.blob_column, self.name_column]
+        named += [*self.metadata_columns, self.questions_column]
+        return [column for column in named if column]
+
+    def check(self) -> None:
+        """Connects and runs the query for no rows, to see that it runs and has our columns."""
+        probe = text(f"SELECT * FROM ({self.query}) AS memstream_probe LIMIT 0")
+        try:
+            with self.engine.connect() as connection:
+                found = list(connection.execute(probe).keys())
+        except SQLAlchemyError as e:
+            raise self._error(e) from None
+        missing = [column for column in self.columns if column not in found]
+        if missing:
+            raise SourceError(
+                f"the SQL query has no column {', '.join(missing)} (it has {', '.join(found)}): "
+                "fix the query or the column names"
+            )
+
+    def items(self) -> Iterator[SourceItem]:
+        base_uri = URL.create(
+            self.url.drivername, host=self.url.host, port=self.url.port, database=self.url.database
+        ).render_as_string()
+        try:
+            with self.engine.connect() as connection:
+                streaming = connection.execution_options(
+                    stream_results=True, yield_per=self.batch_size
+                )
+                for row in streaming.execute(text(self.query)):
+                    yield self._item(base_uri, row._mapping)
+        except SQLAlchemyError as e:
+            raise self._error(e) from None
+
+    def read_bytes(self, item: SourceItem) -> bytes:
+        raise SourceError(f"{item.uri} has no content: its text and blob columns are NULL")
+
+    def _item(self, base_uri: str, row: Mapping[str, Any]) -> SourceItem:
+        row_id = str(row[self.id_column])
+        blob = row[self.blob_column] if self.blob_column else None
+        content = row[self.text_column] if self.text_column else None
+        default_name = f"{row_id}.txt" if self.text_column else f"{row_id}.bin"
+        questions: tuple[str, ...] = ()
+        if self.questions_column:
+            questions = coerce_questions(row[self.questions_column], f"row {row_id}")
+        return SourceItem(
+            uri=f"{base_uri}#{row_id}",
+            name=str(row[self.name_column]) if self.name_column else default_name,
+            size=len(blob) if blob is not None else None,
+            metadata={column: plain_value(row[column]) for column in self.metadata_columns},
+            text=None if content is None else str(content),
+            data=None if blob is None else bytes(blob),
+            questions=questions,
+        )
+
+    def _error(self, error: SQLAlchemyError) -> SourceError:
+        """The driver's first line, with the password scrubbed in case a driver echoes it."""
+        reason = str(error.orig) if isinstance(error, DBAPIError) else str(error)
+        lines = [line.strip() for line in reason.splitlines() if line.strip()]
+        first_line = lines[0] if lines else type(error).__name__
+        if self.url.password:
+            first_line = first_line.replace(str(self.url.password), "***")
+        return SourceError(f"SQL source {self.safe_url}: {first_line}")
+
+
+def _parse_url(url: str) -> URL:
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        raise SourceError(
+            "cannot parse the SQL URL: write it as dialect+driver://user:password@host:port/db"
+        ) from None
+    return parsed.set(drivername=DEFAULT_DRIVERS.get(parsed.drivername, parsed.drivername))

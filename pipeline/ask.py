@@ -1,0 +1,59 @@
+"""Answering questions about documents in process: parse, segment, run chains, collect answers.
+
+This is the foundation's path, used by `memstream ask`, the Serve endpoint's synchronous answers
+and the benchmarks. The Ray Data job (`pipeline.job`) runs the same chains at corpus scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import MethodConfig
+from .core.chain import MemoryChain
+from .core.segmentation import Segment, TokenizedDocument, segment, tokenize
+from .runner import ChainResult, ChainRunner, StepCallback
+
+
+@dataclass(frozen=True)
+class DocumentInput:
+    doc_id: str
+    text: str
+
+
+@dataclass
+class PreparedDocument:
+    doc_id: str
+    n_tokens: int
+    segments: list[Segment]
+    chains: list[MemoryChain] = field(default_factory=list)
+
+
+def prepare(
+    document: DocumentInput, questions: Sequence[str], tokenizer: Any, method: MethodConfig
+) -> PreparedDocument:
+    """Tokenizes the document once and builds one chain per question over the same segments."""
+    tokenized: TokenizedDocument = tokenize(document.doc_id, document.text, tokenizer)
+    segments = segment(tokenized, tokenizer, method.segmentation())
+    chain_config = method.chain()
+    chains = [
+        MemoryChain(f"{document.doc_id}#q{index}", question, segments, chain_config)
+        for index, question in enumerate(questions)
+    ]
+    return PreparedDocument(document.doc_id, tokenized.n_tokens, segments, chains)
+
+
+async def answer(
+    runner: ChainRunner,
+    documents: Sequence[PreparedDocument],
+    on_step: StepCallback | None = None,
+) -> dict[str, list[ChainResult]]:
+    """Runs every chain of every document at once; results by document id, in question order."""
+    chains = [chain for document in documents for chain in document.chains]
+    results = await runner.run(chains, on_step)
+    by_chain = {result.chain_id: result for result in results}
+    return {
+        document.doc_id: [by_chain[chain.chain_id] for chain in document.chains]
+        for document in documents
+    }

@@ -1,0 +1,149 @@
+"""`memstream ask`: local files in, answers out, with a progress bar over all chain steps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from operators.parsing import ParseError, parse_document
+
+from .ask import DocumentInput, PreparedDocument, answer, prepare
+from .config import MethodConfig
+from .engines.factory import EngineSpec, load_tokenizer, open_engine
+from .runner import ChainResult, ChainRunner
+
+EXIT_PARTIAL_FAILURE = 1
+EXIT_NOTHING_READABLE = 2
+
+
+def ask_files(
+    paths: Sequence[Path],
+    questions: Sequence[str],
+    spec: EngineSpec,
+    method: MethodConfig,
+    *,
+    as_json: bool,
+) -> int:
+    console = Console(stderr=True)
+    documents, failures = read_documents(paths)
+    for path, reason in failures.items():
+        console.print(f"[red]skipped[/red] {path}: {reason}")
+    if not documents:
+        console.print("memstream: error: no readable document; nothing to answer")
+        return EXIT_NOTHING_READABLE
+    tokenizer = load_tokenizer(spec)
+    prepared = [prepare(document, questions, tokenizer, method) for document in documents]
+    results, timings = asyncio.run(run_with_progress(prepared, spec, method, console))
+    if as_json:
+        print(json.dumps(as_records(prepared, results, spec, timings), indent=2))
+    else:
+        print_answers(prepared, results)
+    failed_chains = sum(r.status != "ok" for rs in results.values() for r in rs)
+    if failures or failed_chains:
+        console.print(f"{len(failures)} file(s) skipped, {failed_chains} question(s) failed")
+        return EXIT_PARTIAL_FAILURE
+    return 0
+
+
+def read_documents(paths: Sequence[Path]) -> tuple[list[DocumentInput], dict[str, str]]:
+    documents: list[DocumentInput] = []
+    failures: dict[str, str] = {}
+    for path in paths:
+        try:
+            parsed = parse_document(path.read_bytes(), path.name)
+        except ParseError as error:
+            failures[str(path)] = error.reason
+        except OSError as error:
+            failures[str(path)] = error.strerror or str(error)
+        else:
+            documents.append(DocumentInput(str(path), parsed.text))
+    return documents, failures
+
+
+async def run_with_progress(
+    prepared: Sequence[PreparedDocument],
+    spec: EngineSpec,
+    method: MethodConfig,
+    console: Console,
+) -> tuple[dict[str, list[ChainResult]], dict[str, float]]:
+    started = time.perf_counter()
+    with console.status(f"starting the {spec.kind} engine for {spec.model}"):
+        engine = open_engine(spec)
+        if hasattr(engine, "check"):
+            await engine.check()
+    startup = time.perf_counter() - started
+    total_steps = sum(chain.n_steps for document in prepared for chain in document.chains)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("segments"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    try:
+        with progress:
+            task = progress.add_task("reading", total=total_steps)
+            runner = ChainRunner(engine, method.sampling())
+            results = await answer(runner, prepared, lambda *_: progress.advance(task))
+    finally:
+        await engine.shutdown()
+    return results, {"engine_startup_s": startup, "total_s": time.perf_counter() - started}
+
+
+def print_answers(prepared: Sequence[PreparedDocument], results: dict[str, list[ChainResult]]):
+    for document in prepared:
+        print(
+            f"{document.doc_id}  ({len(document.segments)} segments, {document.n_tokens:,} tokens)"
+        )
+        for result in results[document.doc_id]:
+            print(f"  Q: {result.question}")
+            if result.status != "ok":
+                print(f"  failed: {result.error}")
+            elif result.answer is None:
+                print("  A: (no answer: the model did not say 'the answer is')")
+                print(f"     raw: {one_line(result.raw_response or '')}")
+            else:
+                print(f"  A: {result.answer}")
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def as_records(
+    prepared: Sequence[PreparedDocument],
+    results: dict[str, list[ChainResult]],
+    spec: EngineSpec,
+    timings: dict[str, float],
+) -> list[dict[str, Any]]:
+    records = []
+    for document in prepared:
+        for result in results[document.doc_id]:
+            records.append(
+                {
+                    "document": document.doc_id,
+                    "question": result.question,
+                    "answer": result.answer,
+                    "status": result.status,
+                    "error": result.error,
+                    "raw_response": result.raw_response,
+                    "final_memory": result.final_memory,
+                    "n_segments": len(document.segments),
+                    "n_tokens": document.n_tokens,
+                    "prompt_tokens": result.prompt_tokens,
+                    "completion_tokens": result.completion_tokens,
+                    "model": spec.model,
+                    "engine": spec.kind,
+                    "timings": {"chain_s": round(result.elapsed_s, 3), **timings},
+                }
+            )
+    return records

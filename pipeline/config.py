@@ -1,0 +1,44 @@
+"""The method's knobs as one flat, typed record: what a job spec, the CLI and the API share."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .core.chain import REFERENCE_MAX_ANSWER_TOKENS, REFERENCE_MAX_MEMORY_TOKENS, ChainConfig
+from .core.segmentation import REFERENCE_CHUNK_SIZE, SegmentationConfig
+from .core.templates import REFERENCE, get_template_set
+from .engines.base import SamplingConfig
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    chunk_size: int = REFERENCE_CHUNK_SIZE
+    snap_window: int = 0
+    max_memory_tokens: int = REFERENCE_MAX_MEMORY_TOKENS
+    max_answer_tokens: int = REFERENCE_MAX_ANSWER_TOKENS
+    template: str = REFERENCE.name
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # Build every part once so an invalid value fails here, with the part's own message.
+        self.segmentation()
+        self.chain()
+        self.sampling()
+
+    def segmentation(self) -> SegmentationConfig:
+        return SegmentationConfig(chunk_size=self.chunk_size, snap_window=self.snap_window)
+
+    def chain(self) -> ChainConfig:
+        return ChainConfig(
+            templates=get_template_set(self.template),
+            max_memory_tokens=self.max_memory_tokens,
+            max_answer_tokens=self.max_answer_tokens,
+        )
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)

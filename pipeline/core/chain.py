@@ -1,0 +1,125 @@
+"""The memory chain: an engine-agnostic state machine for one (document, question) pair.
+
+A chain yields one request at a time: an update per segment, then the final question. Whoever
+drives it (a runner, a Ray actor, a test) sends the request to any engine and hands the reply
+back with `submit`. The chain never sees the engine, so it can be checkpointed as (step, memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from .extraction import extract_answer, strip_thinking
+from .segmentation import Segment
+from .templates import REFERENCE, TemplateSet
+
+REFERENCE_MAX_MEMORY_TOKENS = 1024
+REFERENCE_MAX_ANSWER_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    templates: TemplateSet = REFERENCE
+    max_memory_tokens: int = REFERENCE_MAX_MEMORY_TOKENS
+    max_answer_tokens: int = REFERENCE_MAX_ANSWER_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in ("max_memory_tokens", "max_answer_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+class StepKind(str, Enum):
+    UPDATE = "update"
+    FINAL = "final"
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One model call: a single user message and its token budget."""
+
+    chain_id: str
+    step: int
+    kind: StepKind
+    prompt: str
+    max_tokens: int
+    segment: Segment | None  # the segment read by an update step
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.chain_id}:{self.step}"
+
+
+class MemoryChain:
+    """Reads `segments` in order, overwriting the memory after each, then answers `question`.
+
+    `memory` and `start_step` resume a checkpointed chain: step k reads segment k, and
+    step len(segments) is the final answer.
+    """
+
+    def __init__(
+        self,
+        chain_id: str,
+        question: str,
+        segments: Sequence[Segment],
+        config: ChainConfig = ChainConfig(),
+        *,
+        memory: str | None = None,
+        start_step: int = 0,
+    ) -> None:
+        if not 0 <= start_step <= len(segments):
+            raise ValueError(f"start_step {start_step} outside 0..{len(segments)}")
+        self.chain_id = chain_id
+        self.question = question
+        self.segments = segments
+        self.config = config
+        self.memory = config.templates.initial_memory if memory is None else memory
+        self.step = start_step
+        self.raw_response: str | None = None
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.segments) + 1
+
+    @property
+    def done(self) -> bool:
+        return self.raw_response is not None
+
+    @property
+    def answer(self) -> str | None:
+        return None if self.raw_response is None else extract_answer(self.raw_response)
+
+    def next_request(self) -> StepRequest | None:
+        if self.done:
+            return None
+        templates = self.config.templates
+        if self.step < len(self.segments):
+            segment = self.segments[self.step]
+            return StepRequest(
+                chain_id=self.chain_id,
+                step=self.step,
+                kind=StepKind.UPDATE,
+                prompt=templates.render_update(self.question, self.memory, segment.text),
+                max_tokens=self.config.max_memory_tokens,
+                segment=segment,
+            )
+        return StepRequest(
+            chain_id=self.chain_id,
+            step=self.step,
+            kind=StepKind.FINAL,
+            prompt=templates.render_final(self.question, self.memory),
+            max_tokens=self.config.max_answer_tokens,
+            segment=None,
+        )
+
+    def submit(self, reply: str) -> None:
+        """Takes the model's reply to the current request and advances."""
+        if self.done:
+            raise RuntimeError(f"chain {self.chain_id} is already answered")
+        if self.step < len(self.segments):
+            self.memory = strip_thinking(reply)
+        else:
+            self.raw_response = reply
+        self.step += 1

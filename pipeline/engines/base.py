@@ -1,0 +1,57 @@
+"""The engine interface: requests with ids go in, completions with token usage come out.
+
+Engines are thin adapters. Batching happens behind `generate`: callers await many requests
+at once and the engine schedules them together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Greedy by default so runs can be audited and reproduced; the reference evaluation
+    samples with temperature 0.7 and top_p 0.95."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: str  # the content of one user message; the engine applies the chat template
+    max_tokens: int
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    latency_s: float
+
+
+class EngineError(RuntimeError):
+    """A request the engine could not serve; the message says what to do."""
+
+
+class Engine(Protocol):
+    model: str
+
+    async def generate(self, request: GenerationRequest) -> Completion: ...
+
+    async def shutdown(self) -> None: ...

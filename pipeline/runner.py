@@ -1,0 +1,120 @@
+"""Drives many memory chains at once against one engine.
+
+Each chain submits its next step as soon as its previous step returns, so the engine batches
+everyone's steps together and a long document never holds short ones back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from .core.chain import MemoryChain, StepKind, StepRequest
+from .engines.base import Completion, Engine, GenerationRequest, SamplingConfig
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One model call of a chain: a row of the memory trajectory (the audit trail)."""
+
+    chain_id: str
+    step: int
+    kind: str
+    segment_index: int | None
+    token_start: int | None
+    token_end: int | None
+    char_start: int | None
+    char_end: int | None
+    output: str  # the memory after an update step, the raw response of the final step
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    latency_s: float
+
+    @classmethod
+    def of(cls, request: StepRequest, completion: Completion, output: str) -> StepRecord:
+        segment = request.segment
+        return cls(
+            chain_id=request.chain_id,
+            step=request.step,
+            kind=request.kind.value,
+            segment_index=segment.index if segment else None,
+            token_start=segment.token_start if segment else None,
+            token_end=segment.token_end if segment else None,
+            char_start=segment.char_start if segment else None,
+            char_end=segment.char_end if segment else None,
+            output=output,
+            prompt_tokens=completion.prompt_tokens,
+            completion_tokens=completion.completion_tokens,
+            finish_reason=completion.finish_reason,
+            latency_s=completion.latency_s,
+        )
+
+
+@dataclass
+class ChainResult:
+    chain_id: str
+    question: str
+    status: str  # "ok" or "error"
+    answer: str | None = None
+    raw_response: str | None = None
+    final_memory: str = ""
+    n_segments: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    elapsed_s: float = 0.0
+    error: str | None = None
+    trajectory: list[StepRecord] = field(default_factory=list)
+
+
+StepCallback = Callable[[MemoryChain, StepRecord], Awaitable[None] | None]
+
+
+class ChainRunner:
+    def __init__(
+        self,
+        engine: Engine,
+        sampling: SamplingConfig = SamplingConfig(),
+        max_active_chains: int = 256,
+    ) -> None:
+        self.engine = engine
+        self.sampling = sampling
+        self._slots = asyncio.Semaphore(max_active_chains)
+
+    async def run(
+        self, chains: Iterable[MemoryChain], on_step: StepCallback | None = None
+    ) -> list[ChainResult]:
+        return await asyncio.gather(*(self.run_chain(chain, on_step) for chain in chains))
+
+    async def run_chain(
+        self, chain: MemoryChain, on_step: StepCallback | None = None
+    ) -> ChainResult:
+        """Runs one chain to its answer. Failures become a result with status "error"."""
+        result = ChainResult(chain.chain_id, chain.question, "ok", n_segments=len(chain.segments))
+        started = time.perf_counter()
+        async with self._slots:
+            try:
+                while (request := chain.next_request()) is not None:
+                    completion = await self.engine.generate(
+                        GenerationRequest(
+                            request.request_id, request.prompt, request.max_tokens, self.sampling
+                        )
+                    )
+                    chain.submit(completion.text)
+                    output = chain.memory if request.kind is StepKind.UPDATE else completion.text
+                    record = StepRecord.of(request, completion, output)
+                    result.trajectory.append(record)
+                    result.prompt_tokens += completion.prompt_tokens
+                    result.completion_tokens += completion.completion_tokens
+                    if on_step is not None and (pending := on_step(chain, record)) is not None:
+                        await pending
+            except Exception as error:  # one failing chain must not stop the others
+                result.status = "error"
+                result.error = f"{type(error).__name__}: {error}"
+        result.final_memory = chain.memory
+        result.raw_response = chain.raw_response
+        result.answer = chain.answer
+        result.elapsed_s = time.perf_counter() - started
+        return result

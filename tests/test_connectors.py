@@ -1,0 +1,476 @@
+"""Document sources and output locations, against real files, a real S3 server and real
+databases (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import uuid
+from collections.abc import Iterator
+from datetime import date
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+import sqlalchemy as sa
+
+from connectors import (
+    DatasetSource,
+    LocalSource,
+    OutputError,
+    S3Source,
+    SourceError,
+    SqlSource,
+    check_output,
+    open_output,
+    open_source,
+)
+
+if TYPE_CHECKING:
+    from tests.services import S3Server
+
+# conftest.py registers the same plugin; naming it here too lets this file run on its own.
+pytest_plugins = ["tests.services"]
+
+CORPORA = Path(__file__).resolve().parents[1].parent / "shared" / "corpora"
+TEXTS = CORPORA / "text"
+REPORTS = CORPORA / "pdfs" / "reports"
+
+needs_corpora = pytest.mark.skipif(not CORPORA.is_dir(), reason=f"no corpora at {CORPORA}")
+
+
+def write(path: Path, content: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    return path
+
+
+# --- local files ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_tree(tmp_path: Path) -> Path:
+    docs = tmp_path / "docs"
+    write(docs / "b.txt", "bee")
+    write(docs / "a.txt", "ay")
+    write(docs / "a.txt.questions.txt", "Who?\n\n  What?  \n")
+    write(docs / "sub" / "c.md", "# sea")
+    write(docs / "sub" / "c.md.questions.json", json.dumps(["Where?"]))
+    write(docs / "sub" / "d.pdf", b"%PDF-1.4 fake")
+    write(docs / ".hidden.txt", "secret")
+    write(docs / ".git" / "config", "[core]")
+    return docs
+
+
+def test_local_folder_is_recursive_sorted_and_skips_hidden_and_sidecars(local_tree: Path) -> None:
+    source = LocalSource([str(local_tree)])
+    source.check()
+    items = list(source.items())
+    assert [item.name for item in items] == ["a.txt", "b.txt", "c.md", "d.pdf"]
+    assert items[0].questions == ("Who?", "What?")
+    assert items[2].questions == ("Where?",)
+    assert items[1].questions == ()
+    assert items[0].uri == (local_tree / "a.txt").as_uri()
+    assert items[0].size == 2
+    assert [source.read_bytes(item) for item in items[:2]] == [b"ay", b"bee"]
+
+
+def test_local_globs_files_and_duplicates(local_tree: Path) -> None:
+    paths = [str(local_tree / "**" / "*.md"), str(local_tree / "b.txt"), str(local_tree / "sub")]
+    items = list(LocalSource(paths).items())
+    assert [item.name for item in items] == ["c.md", "b.txt", "d.pdf"]
+    assert items[0].questions == ("Where?",)
+
+
+def test_local_missing_paths_fail_early(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="no input files"):
+        LocalSource([str(tmp_path / "nope")]).check()
+    with pytest.raises(SourceError, match="no input files"):
+        LocalSource([str(tmp_path / "*.pdf")]).check()
+    with pytest.raises(SourceError, match="no input path"):
+        LocalSource([]).check()
+
+
+@needs_corpora
+def test_local_real_corpus_reads_back_every_byte() -> None:
+    source = LocalSource([str(TEXTS), str(REPORTS / "*.pdf")])
+    source.check()
+    items = list(source.items())
+    expected = sorted(TEXTS.iterdir()) + sorted(REPORTS.glob("*.pdf"))
+    assert [item.name for item in items] == [path.name for path in expected]
+    for item, path in zip(items, expected, strict=True):
+        assert item.size == path.stat().st_size
+    assert source.read_bytes(items[0]) == expected[0].read_bytes()
+    assert pickle.loads(pickle.dumps(source)).read_bytes(items[-1]) == expected[-1].read_bytes()
+
+
+# --- S3 ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bucket(s3_server: S3Server) -> str:
+    name = f"docs-{uuid.uuid4().hex[:12]}"
+    s3_server.client().create_bucket(Bucket=name)
+    return name
+
+
+@needs_corpora
+@pytest.mark.server
+def test_s3_lists_and_reads_real_files(s3_server: S3Server, bucket: str) -> None:
+    client = s3_server.client()
+    files = sorted(TEXTS.iterdir()) + sorted(REPORTS.glob("*.pdf"))[:2]
+    for path in files:
+        client.upload_file(str(path), bucket, f"corpus/{path.name}")
+    client.put_object(
+        Bucket=bucket, Key="corpus/rfc2616-http-1.1.txt.questions.txt", Body=b"Q1\nQ2"
+    )
+    client.put_object(Bucket=bucket, Key="corpus/.DS_Store", Body=b"junk")
+    client.put_object(Bucket=bucket, Key="elsewhere/ignored.txt", Body=b"not under the prefix")
+
+    source = S3Source(f"s3://{bucket}/corpus/", endpoint_url=s3_server.endpoint_url)
+    source.check()
+    items = list(source.items())
+
+    by_name = {path.name: path for path in files}
+    assert [item.name for item in items] == sorted(by_name)
+    for item in items:
+        assert item.uri == f"s3://{bucket}/corpus/{item.name}"
+        assert item.size == by_name[item.name].stat().st_size
+        assert item.metadata["etag"] and item.metadata["last_modified"]
+        assert source.read_bytes(item) == by_name[item.name].read_bytes()
+    questions = {item.name: item.questions for item in items}
+    assert questions["rfc2616-http-1.1.txt"] == ("Q1", "Q2")
+    assert questions[files[0].name] == ()
+
+    shipped = pickle.loads(pickle.dumps(source))  # as to a Ray worker: the client is made anew
+    assert [item.name for item in shipped.items()] == sorted(by_name)
+
+
+@pytest.mark.server
+def test_s3_sidecars_across_pages(s3_server: S3Server, bucket: str) -> None:
+    client = s3_server.client()
+    for number in range(7):
+        client.put_object(Bucket=bucket, Key=f"in/doc{number}.txt", Body=f"doc {number}".encode())
+        if number % 2 == 0:
+            sidecar = json.dumps({"questions": [f"Q{number}?"]}).encode()
+            client.put_object(Bucket=bucket, Key=f"in/doc{number}.txt.questions.json", Body=sidecar)
+    source = S3Source(f"s3://{bucket}/in/", endpoint_url=s3_server.endpoint_url, page_size=2)
+    items = list(source.items())
+    assert [item.name for item in items] == [f"doc{number}.txt" for number in range(7)]
+    assert [item.questions for item in items] == [
+        (f"Q{number}?",) if number % 2 == 0 else () for number in range(7)
+    ]
+
+
+@pytest.mark.server
+def test_s3_missing_bucket_or_prefix_fails_early(s3_server: S3Server, bucket: str) -> None:
+    missing = S3Source("s3://no-such-bucket-memstream/x", endpoint_url=s3_server.endpoint_url)
+    with pytest.raises(SourceError, match="does not exist"):
+        missing.check()
+    empty = S3Source(f"s3://{bucket}/nothing-here/", endpoint_url=s3_server.endpoint_url)
+    with pytest.raises(SourceError, match="no objects under"):
+        empty.check()
+    with pytest.raises(SourceError, match="not an S3 URI"):
+        S3Source("s3:///prefix-without-bucket")
+
+
+@pytest.mark.server
+def test_s3_wrong_credentials_fail_early_without_the_secret(
+    s3_server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not s3_server.checks_credentials:
+        pytest.skip(f"{s3_server.kind} accepts any credentials")
+    s3_server.client().put_object(Bucket=bucket, Key="a.txt", Body=b"a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
+    source = S3Source(f"s3://{bucket}/", endpoint_url=s3_server.endpoint_url)
+    with pytest.raises(SourceError, match="access denied") as raised:
+        source.check()
+    assert "wrong-secret-value" not in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "unknown-key")
+    with pytest.raises(SourceError, match="InvalidAccessKeyId"):
+        S3Source(f"s3://{bucket}/", endpoint_url=s3_server.endpoint_url).check()
+
+
+# --- SQL --------------------------------------------------------------------------------------
+
+DOCS = sa.Table(
+    "docs",
+    sa.MetaData(),
+    sa.Column("id", sa.Integer, primary_key=True),
+    sa.Column("title", sa.Text),
+    sa.Column("body", sa.Text),
+    sa.Column("content", sa.LargeBinary),
+    sa.Column("author", sa.Text),
+    sa.Column("published", sa.Date),
+    sa.Column("questions", sa.Text),
+)
+
+
+def make_rows() -> list[dict[str, Any]]:
+    rfc = (TEXTS / "rfc2616-http-1.1.txt").read_text() if CORPORA.is_dir() else "HTTP/1.1 " * 999
+    pdf = (REPORTS / "federal-register-2020-17221.pdf").read_bytes() if CORPORA.is_dir() else b"%P"
+    rows = [
+        {
+            "id": number,
+            "title": f"doc-{number}.txt",
+            "body": f"Document number {number}.",
+            "content": None,
+            "author": f"author {number % 2}",
+            "published": date(2024, 1, number),
+            "questions": json.dumps([f"What is document {number}?"]),
+        }
+        for number in range(1, 6)
+    ]
+    rows[0] |= {"body": rfc, "questions": "Who wrote it?\nWhen?"}
+    rows[1] |= {"body": None, "content": pdf, "title": "register.pdf", "questions": None}
+    return rows
+
+
+@pytest.fixture(params=["sqlite_url", pytest.param("postgres_url", marks=pytest.mark.server)])
+def database(request: pytest.FixtureRequest) -> Iterator[str]:
+    url: str = request.getfixturevalue(request.param)
+    engine = sa.create_engine(url)
+    DOCS.metadata.drop_all(engine)
+    DOCS.metadata.create_all(engine)
+    with engine.begin() as connection:
+        connection.execute(DOCS.insert(), make_rows())
+    engine.dispose()
+    yield url
+
+
+def test_sql_streams_rows_with_text_blob_metadata_and_questions(database: str) -> None:
+    source = SqlSource(
+        database,
+        "SELECT id, title, body, content, author, published, questions FROM docs ORDER BY id;",
+        text_column="body",
+        blob_column="content",
+        name_column="title",
+        metadata_columns=["author", "published"],
+        questions_column="questions",
+        batch_size=2,
+    )
+    source.check()
+    items = list(source.items())
+    rows = make_rows()
+    assert [item.name for item in items] == [row["title"] for row in rows]
+    assert [item.text for item in items] == [row["body"] for row in rows]
+    assert items[1].data == rows[1]["content"] and items[1].size == len(rows[1]["content"])
+    assert items[0].data is None
+    assert items[0].questions == ("Who wrote it?", "When?")
+    assert items[2].questions == ("What is document 3?",)
+    assert items[1].questions == ()
+    assert items[3].metadata == {"author": "author 0", "published": "2024-01-04"}
+    assert items[4].uri.endswith("#5")
+    password = sa.engine.make_url(database).password
+    assert not password or all(password not in item.uri for item in items)
+    shipped = pickle.loads(pickle.dumps(source))
+    assert [item.text for item in shipped.items()] == [row["body"] for row in rows]
+
+
+def test_sql_default_names_from_ids(database: str) -> None:
+    items = list(SqlSource(database, "SELECT id, body AS text FROM docs WHERE id > 2").items())
+    assert [item.name for item in items] == ["3.txt", "4.txt", "5.txt"]
+
+
+def test_sql_bad_query_and_missing_column_fail_early_without_password(database: str) -> None:
+    password = sa.engine.make_url(database).password
+    with pytest.raises(SourceError, match="SQL source") as raised:
+        SqlSource(database, "SELECT id, body FROM no_such_table").check()
+    message = str(raised.value)
+    assert "no_such_table" in message and "\n" not in message
+    assert not password or password not in message
+    with pytest.raises(SourceError, match="no column text"):
+        SqlSource(database, "SELECT id, body FROM docs").check()
+    source = SqlSource(database, "SELECT id, body AS text FROM docs")
+    assert not password or (password not in repr(source) and "***" in repr(source))
+
+
+@pytest.mark.server
+def test_postgres_wrong_password_fails_without_it(postgres_url: str) -> None:
+    url = sa.engine.make_url(postgres_url).set(password="not-the-password-42")
+    source = SqlSource(url.render_as_string(hide_password=False), "SELECT 1 AS id, 'x' AS text")
+    with pytest.raises(SourceError, match="password authentication failed") as raised:
+        source.check()
+    assert "not-the-password-42" not in str(raised.value)
+
+
+@pytest.mark.server
+def test_postgres_streams_through_a_server_side_cursor(postgres_url: str) -> None:
+    engine = sa.create_engine(postgres_url)
+    with engine.begin() as connection:
+        connection.execute(sa.text("DROP TABLE IF EXISTS many"))
+        connection.execute(
+            sa.text(
+                "CREATE TABLE many AS SELECT g AS id, 'row ' || g AS text "
+                "FROM generate_series(1, 5000) AS g"
+            )
+        )
+    items = SqlSource(postgres_url, "SELECT id, text FROM many ORDER BY id", batch_size=100).items()
+    first = next(items)
+    with engine.connect() as connection:
+        seen = (
+            connection.execute(
+                sa.text("SELECT query FROM pg_stat_activity WHERE query LIKE 'FETCH FORWARD%'")
+            )
+            .scalars()
+            .all()
+        )
+    rest = list(items)
+    engine.dispose()
+    assert first.text == "row 1" and len(rest) == 4999
+    assert seen, "the rows did not come through a server-side cursor"
+
+
+@pytest.mark.server
+def test_plain_postgresql_url_uses_psycopg(postgres_url: str) -> None:
+    plain = postgres_url.replace("postgresql+psycopg://", "postgresql://")
+    SqlSource(plain, "SELECT 1 AS id, 'x' AS text").check()
+
+
+# --- Parquet and JSON Lines -------------------------------------------------------------------
+
+ROWS = [
+    {"doc_id": 1, "body": "first text", "title": "one.txt", "lang": "en", "qs": ["Q1?", "Q2?"]},
+    {"doc_id": 2, "body": "second text", "title": "two.txt", "lang": "fr", "qs": []},
+    {"doc_id": 3, "body": "third text", "title": "three.txt", "lang": "de", "qs": ["Q3?"]},
+]
+
+
+def dataset_source(path: Path, **overrides: Any) -> DatasetSource:
+    settings: dict[str, Any] = {
+        "id_column": "doc_id",
+        "text_column": "body",
+        "name_column": "title",
+        "metadata_columns": ["lang"],
+        "questions_column": "qs",
+        "batch_size": 2,
+    }
+    return DatasetSource(str(path), **(settings | overrides))
+
+
+def check_rows(source: DatasetSource, path: Path) -> None:
+    source.check()
+    items = list(source.items())
+    assert [item.text for item in items] == [row["body"] for row in ROWS]
+    assert [item.name for item in items] == [row["title"] for row in ROWS]
+    assert [item.questions for item in items] == [tuple(row["qs"]) for row in ROWS]
+    assert items[1].metadata == {"lang": "fr"}
+    assert items[2].uri == f"{path.as_uri()}#3"
+
+
+def test_parquet_rows(tmp_path: Path) -> None:
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), path)
+    check_rows(dataset_source(path), path)
+
+
+def test_jsonl_rows(tmp_path: Path) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in ROWS) + "\n\n")
+    check_rows(dataset_source(path), path)
+
+
+def test_dataset_folder_of_parquet_files(tmp_path: Path) -> None:
+    for number, row in enumerate(ROWS):
+        pq.write_table(pa.Table.from_pylist([row]), tmp_path / f"part-{number}.parquet")
+    items = list(dataset_source(tmp_path).items())
+    assert [item.text for item in items] == [row["body"] for row in ROWS]
+
+
+def test_dataset_errors(tmp_path: Path) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+    with pytest.raises(SourceError, match=r"docs\.jsonl:2: not valid JSON"):
+        list(dataset_source(path).items())
+    with pytest.raises(SourceError, match="no column missing"):
+        dataset_source(path, text_column="missing").check()
+    with pytest.raises(SourceError, match="no dataset files"):
+        dataset_source(tmp_path / "none.parquet").check()
+    with pytest.raises(SourceError, match="unknown dataset format"):
+        DatasetSource(str(path), format="csv")
+    write(tmp_path / "fake.parquet", "not parquet")
+    with pytest.raises(SourceError, match="not a readable Parquet file"):
+        dataset_source(tmp_path / "fake.parquet").check()
+
+
+# --- open_source ------------------------------------------------------------------------------
+
+
+def test_open_source_specs(tmp_path: Path, sqlite_url: str) -> None:
+    write(tmp_path / "a.txt", "a")
+    local = open_source(str(tmp_path))
+    assert isinstance(local, LocalSource) and [i.name for i in local.items()] == ["a.txt"]
+    assert isinstance(open_source({"type": "local", "path": str(tmp_path)}), LocalSource)
+    s3 = open_source({"type": "s3", "uri": "s3://bucket/prefix", "endpoint_url": "http://x:1"})
+    assert isinstance(s3, S3Source) and s3.endpoint_url == "http://x:1"
+    sql = open_source({"type": "sql", "url": sqlite_url, "query": "SELECT 1 AS id, 'x' AS text"})
+    assert isinstance(sql, SqlSource) and [item.text for item in sql.items()] == ["x"]
+    dataset = open_source({"type": "dataset", "path": str(tmp_path / "d.jsonl"), "format": "jsonl"})
+    assert isinstance(dataset, DatasetSource)
+    with pytest.raises(SourceError, match="unknown source type"):
+        open_source({"type": "ftp"})
+    with pytest.raises(SourceError, match="unknown sql source option querry"):
+        open_source({"type": "sql", "url": sqlite_url, "querry": "SELECT 1"})
+    with pytest.raises(SourceError, match="for a database give"):
+        open_source("postgresql://user:pw@host/db")
+
+
+# --- outputs ----------------------------------------------------------------------------------
+
+TABLE = pa.table({"doc": ["a", "b"], "answer": ["yes", "no"]})
+
+
+def test_open_output_local_folder(tmp_path: Path) -> None:
+    filesystem, base = open_output(str(tmp_path / "out" / "run1"))
+    assert isinstance(filesystem, pafs.LocalFileSystem)
+    check_output(filesystem, base)
+    pq.write_table(TABLE, f"{base}/answers.parquet", filesystem=filesystem)
+    found = duckdb.sql(f"SELECT doc, answer FROM '{base}/answers.parquet' ORDER BY doc").fetchall()
+    assert found == [("a", "yes"), ("b", "no")]
+    assert [path.name for path in (tmp_path / "out" / "run1").iterdir()] == ["answers.parquet"]
+    assert open_output((tmp_path / "x").as_uri())[1] == str(tmp_path / "x")
+
+
+def test_open_output_unwritable_folder(tmp_path: Path) -> None:
+    write(tmp_path / "file", "a file, not a folder")
+    filesystem, base = open_output(str(tmp_path / "file" / "out"))
+    with pytest.raises(OutputError, match="cannot write"):
+        check_output(filesystem, base)
+
+
+@pytest.mark.server
+def test_open_output_s3(s3_server: S3Server, bucket: str) -> None:
+    filesystem, base = open_output(f"s3://{bucket}/results/run1/", s3_server.endpoint_url)
+    assert isinstance(filesystem, pafs.S3FileSystem) and base == f"{bucket}/results/run1"
+    check_output(filesystem, base)
+    pq.write_table(TABLE, f"{base}/answers.parquet", filesystem=filesystem)
+    assert pq.read_table(f"{base}/answers.parquet", filesystem=filesystem).equals(TABLE)
+    keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]]
+    # Besides the file, pyarrow may leave an empty folder marker "results/run1/" (zero bytes).
+    assert [key for key in keys if not key.endswith("/")] == ["results/run1/answers.parquet"]
+
+    filesystem, base = open_output("s3://no-such-bucket-memstream/x", s3_server.endpoint_url)
+    with pytest.raises(OutputError, match="does not exist"):
+        check_output(filesystem, base)
+
+
+@pytest.mark.server
+def test_open_output_s3_wrong_credentials(
+    s3_server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not s3_server.checks_credentials:
+        pytest.skip(f"{s3_server.kind} accepts any credentials")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
+    filesystem, base = open_output(f"s3://{bucket}/out", s3_server.endpoint_url)
+    with pytest.raises(OutputError, match="credentials") as raised:
+        check_output(filesystem, base)
+    assert "wrong-secret-value" not in str(raised.value)

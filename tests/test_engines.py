@@ -1,0 +1,252 @@
+"""Both engine adapters against the real thing: vLLM in process, and vLLM's OpenAI server."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from pipeline.ask import DocumentInput, answer, prepare
+from pipeline.config import MethodConfig
+from pipeline.engines.base import EngineError, GenerationRequest, SamplingConfig
+from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
+from pipeline.runner import ChainRunner
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [f"Name the number that comes after {n}. Answer with digits only." for n in range(8)]
+
+
+def generate_all(engine, prompts, max_tokens=12):  # type: ignore[no-untyped-def]
+    async def run():  # type: ignore[no-untyped-def]
+        return await asyncio.gather(
+            *(
+                engine.generate(GenerationRequest(f"r{i}", p, max_tokens))
+                for i, p in enumerate(prompts)
+            )
+        )
+
+    return run()
+
+
+def test_vllm_engine_answers_a_batch_with_usage(vllm_engine, event_loop_runner) -> None:  # type: ignore[no-untyped-def]
+    started = time.perf_counter()
+    completions = event_loop_runner.run(generate_all(vllm_engine, PROMPTS))
+    elapsed = time.perf_counter() - started
+    assert [c.request_id for c in completions] == [f"r{i}" for i in range(8)]
+    for completion in completions:
+        assert completion.text.strip()
+        assert 10 < completion.prompt_tokens < 100
+        assert 1 <= completion.completion_tokens <= 12
+        assert completion.finish_reason in ("stop", "length")
+        assert 0 < completion.latency_s <= elapsed
+
+
+def test_vllm_engine_is_deterministic_by_default(vllm_engine, event_loop_runner) -> None:  # type: ignore[no-untyped-def]
+    first = event_loop_runner.run(generate_all(vllm_engine, PROMPTS[:3], max_tokens=24))
+    second = event_loop_runner.run(generate_all(vllm_engine, PROMPTS[:3], max_tokens=24))
+    assert [c.text for c in first] == [c.text for c in second]
+
+
+def test_vllm_engine_refuses_a_prompt_longer_than_its_window(
+    vllm_engine, event_loop_runner
+) -> None:  # type: ignore[no-untyped-def]
+    request = GenerationRequest("long", "word " * 5000, 8)
+    with pytest.raises(EngineError, match="max_model_len"):
+        event_loop_runner.run(vllm_engine.generate(request))
+
+
+def test_runner_drives_chains_of_different_lengths_together(  # type: ignore[no-untyped-def]
+    vllm_engine, event_loop_runner, tokenizer
+) -> None:
+    method = MethodConfig(chunk_size=200, max_memory_tokens=24, max_answer_tokens=24)
+    long_text = (
+        "The harbour master logs every ship. " * 120
+        + "The secret code is 4417. "
+        + "Gulls cry. " * 60
+    )
+    short_text = "The lighthouse keeper is named Ada Brandt. " * 3
+    documents = [
+        prepare(DocumentInput("long", long_text), ["What is the secret code?"], tokenizer, method),
+        prepare(
+            DocumentInput("short", short_text),
+            ["Who keeps the lighthouse?", "Is there a lighthouse?"],
+            tokenizer,
+            method,
+        ),
+    ]
+    finished: list[str] = []
+    runner = ChainRunner(vllm_engine, method.sampling())
+    results = event_loop_runner.run(
+        answer(runner, documents, lambda chain, record: finished.append(chain.chain_id))
+    )
+
+    long_result = results["long"][0]
+    short_results = results["short"]
+    assert long_result.n_segments == len(documents[0].segments) > 3
+    assert [r.n_segments for r in short_results] == [1, 1]
+    # Each chain made one call per segment plus the final one, in order.
+    for result in [long_result, *short_results]:
+        assert result.status == "ok", result.error
+        assert [r.step for r in result.trajectory] == list(range(result.n_segments + 1))
+        assert result.trajectory[-1].kind == "final"
+        assert result.trajectory[-2].output == result.final_memory
+        assert result.prompt_tokens == sum(r.prompt_tokens for r in result.trajectory)
+        assert all(r.completion_tokens <= 24 for r in result.trajectory)
+    # The short chains finished while the long one was still reading.
+    assert finished.index("short#q0") < finished.index("long#q0") and finished[-1] == "long#q0"
+    segment_starts = [r.token_start for r in long_result.trajectory[:-1]]
+    assert segment_starts == [s.token_start for s in documents[0].segments]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def openai_server(test_model_path: str, tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
+    """A real vLLM OpenAI-compatible server on 127.0.0.1, stopped by PID afterwards."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        test_model_path,
+        "--served-model-name",
+        "test-model",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+    ]
+    with log.open("w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+    base_url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(
+                    f"vLLM server exited with {process.returncode}:\n{log.read_text()[-3000:]}"
+                )
+            try:
+                if httpx.get(f"{base_url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail(f"vLLM server not healthy in time:\n{log.read_text()[-3000:]}")
+        yield base_url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.server
+def test_openai_adapter_against_a_real_vllm_server(  # type: ignore[no-untyped-def]
+    openai_server, vllm_engine, event_loop_runner
+) -> None:
+    async def run():  # type: ignore[no-untyped-def]
+        engine = OpenAIEngine(OpenAIEngineConfig(base_url=openai_server, model="test-model"))
+        try:
+            await engine.check()
+            return await asyncio.gather(
+                *(engine.generate(GenerationRequest(f"h{i}", p, 12)) for i, p in enumerate(PROMPTS))
+            )
+        finally:
+            await engine.shutdown()
+
+    over_http = asyncio.run(run())
+    in_process = event_loop_runner.run(generate_all(vllm_engine, PROMPTS))
+    for remote, local in zip(over_http, in_process, strict=True):
+        assert remote.text.strip()
+        assert remote.prompt_tokens == local.prompt_tokens
+        assert 1 <= remote.completion_tokens <= 12
+    # Greedy decoding on the same weights: the server and the in-process engine agree.
+    agreeing = sum(
+        remote.text == local.text for remote, local in zip(over_http, in_process, strict=True)
+    )
+    assert agreeing >= len(PROMPTS) - 1, [
+        (remote.text, local.text) for remote, local in zip(over_http, in_process, strict=True)
+    ]
+
+
+@pytest.mark.server
+def test_openai_adapter_names_a_model_the_server_lacks(openai_server) -> None:  # type: ignore[no-untyped-def]
+    engine = OpenAIEngine(OpenAIEngineConfig(base_url=openai_server, model="no-such-model"))
+    with pytest.raises(EngineError, match="does not serve model 'no-such-model'"):
+        asyncio.run(engine.check())
+
+
+def test_openai_adapter_reports_an_unreachable_server() -> None:
+    engine = OpenAIEngine(
+        OpenAIEngineConfig(base_url=f"http://127.0.0.1:{free_port()}/v1", model="m", max_retries=1)
+    )
+    with pytest.raises(EngineError, match=r"cannot reach .* is the server running"):
+        asyncio.run(engine.check())
+
+
+class FlakyChatServer(http.server.BaseHTTPRequestHandler):
+    """Answers 429, then 503, then a valid chat completion: a real HTTP peer that misbehaves."""
+
+    attempts = 0
+
+    def do_POST(self) -> None:
+        type(self).attempts += 1
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.attempts <= 2:
+            status, body = (429 if self.attempts == 1 else 503), b'{"error": {"message": "busy"}}'
+        else:
+            status = 200
+            body = (
+                b'{"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": '
+                b'[{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", '
+                b'"content": "ok"}}], "usage": {"prompt_tokens": 5, "completion_tokens": 1, '
+                b'"total_tokens": 6}}'
+            )
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_openai_adapter_retries_429_and_5xx_with_backoff() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FlakyChatServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        engine = OpenAIEngine(OpenAIEngineConfig(base_url=url, model="m", max_retries=3))
+        completion = asyncio.run(engine.generate(GenerationRequest("a", "hi", 4, SamplingConfig())))
+    finally:
+        server.shutdown()
+    assert completion.text == "ok" and completion.prompt_tokens == 5
+    assert FlakyChatServer.attempts == 3
