@@ -31,7 +31,7 @@ def ask_files(
     *,
     as_json: bool,
 ) -> int:
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
     documents, failures = read_documents(paths)
     for path, reason in failures.items():
         console.print(f"[red]skipped[/red] {path}: {reason}")

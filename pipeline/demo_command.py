@@ -19,7 +19,7 @@ from .engines.factory import EngineSpec, load_tokenizer
 
 
 def run_demo(output: Path, spec: EngineSpec, method: MethodConfig, scale: float) -> int:
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
     documents = democorpus.generate(scale=scale)
     questions_file = democorpus.write(output / "corpus", documents)
     console.print(f"demo corpus: {len(documents)} documents in {questions_file.parent}")

@@ -1,0 +1,134 @@
+"""`memstream` end to end, as a user runs it: a subprocess, its exit code, stdout and stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TEST_MODEL
+
+TINY_RUN = [
+    "--model", TEST_MODEL, "--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "2048",
+    "--chunk-size", "300", "--max-memory-tokens", "32", "--max-answer-tokens", "32",
+]  # fmt: skip
+
+
+def memstream(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def assert_one_clear_line(result: subprocess.CompletedProcess[str], expected: str) -> None:
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and expected in errors[0], result.stderr
+
+
+def test_empty_file_gives_one_clear_line(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    result = memstream("ask", str(empty), "-q", "What?", "--model", TEST_MODEL)
+    assert result.returncode == 2
+    assert "empty.txt: empty document" in result.stderr
+    assert_one_clear_line(result, "no readable document")
+
+
+def test_binary_and_missing_files_are_reported(tmp_path: Path) -> None:
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(bytes(range(256)) * 20)
+    result = memstream("ask", str(binary), str(tmp_path / "missing.log"), "-q", "What?")
+    assert result.returncode == 2
+    assert "blob.txt: not a text file (binary content)" in result.stderr
+    assert "missing.log: No such file or directory" in result.stderr
+
+
+def test_unknown_model_gives_one_clear_line(tmp_path: Path) -> None:
+    document = tmp_path / "a.txt"
+    document.write_text("Some text.")
+    result = memstream("ask", str(document), "-q", "What?", "--model", "no-such-model")
+    assert result.returncode == 2
+    assert_one_clear_line(result, "unknown model 'no-such-model'")
+
+
+def test_unreachable_server_gives_one_clear_line(tmp_path: Path) -> None:
+    document = tmp_path / "a.txt"
+    document.write_text("Some text.")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = memstream(
+        "ask", str(document), "-q", "What?", "--model", TEST_MODEL,
+        "--engine", "openai", "--base-url", f"http://127.0.0.1:{port}/v1",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert_one_clear_line(result, "is the server running?")
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--chunk-size", "0"], "must be a positive integer"),
+        (["--engine", "tgi"], "invalid choice"),
+        (["--snap-window", "9999"], "snap_window must be in [0, chunk_size)"),
+        (["--engine", "openai"], "needs a base URL"),
+    ],
+)
+def test_invalid_options_give_one_clear_line(
+    tmp_path: Path, option: list[str], message: str
+) -> None:
+    document = tmp_path / "a.txt"
+    document.write_text("Some text.")
+    result = memstream("ask", str(document), "-q", "What?", *option)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert message in result.stderr
+
+
+@pytest.mark.engine
+def test_ask_answers_good_files_and_reports_the_bad_one(corpora: Path, tmp_path: Path) -> None:
+    notes = tmp_path / "notes.md"
+    notes.write_text(
+        "# Meeting notes\n\nThe budget owner is Priya Raman.\n\n" + "The team met again. " * 150
+    )
+    log = corpora / "logs" / "Apache" / "Apache_2k.log"
+    excerpt = tmp_path / "apache.log"
+    excerpt.write_text("\n".join(log.read_text().splitlines()[:60]) + "\n")
+    bad = tmp_path / "scan.pdf"
+    bad.write_bytes((corpora / "pdfs" / "bad" / "scanned-image-only-grumman-1974.pdf").read_bytes())
+
+    result = memstream(
+        "ask", str(notes), str(excerpt), str(bad),
+        "-q", "Who is the budget owner?", "-q", "Is there an error?", "--json", *TINY_RUN,
+    )  # fmt: skip
+
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "scan.pdf: no text layer (needs OCR)" in result.stderr
+    assert "Traceback" not in result.stderr
+    records = json.loads(result.stdout)
+    assert [(Path(r["document"]).name, r["question"]) for r in records] == [
+        ("notes.md", "Who is the budget owner?"),
+        ("notes.md", "Is there an error?"),
+        ("apache.log", "Who is the budget owner?"),
+        ("apache.log", "Is there an error?"),
+    ]
+    for record in records:
+        assert record["status"] == "ok", record["error"]
+        assert record["n_segments"] >= 2
+        assert record["final_memory"]
+        assert record["raw_response"]
+        assert record["prompt_tokens"] > record["n_tokens"]
+        assert record["timings"]["engine_startup_s"] > 0
+        assert record["model"] == TEST_MODEL
