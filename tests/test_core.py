@@ -19,7 +19,7 @@ from pipeline.core.extraction import (
     sub_exact_match,
 )
 from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
-from pipeline.core.templates import REFERENCE, defang
+from pipeline.core.templates import APPEND_EVIDENCE, REFERENCE, append_within_budget, defang
 
 SPEC = Path(__file__).resolve().parents[1].parent / "shared" / "specs" / "memagent-method.md"
 
@@ -157,13 +157,12 @@ def test_special_token_strings_in_a_document_stay_plain_text(tokenizer) -> None:
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") not in doc.token_ids
 
 
-def make_chain(n_segments: int = 2, **kwargs) -> MemoryChain:  # type: ignore[no-untyped-def]
+def make_chain(n_segments: int = 2, config: ChainConfig | None = None, **kwargs) -> MemoryChain:  # type: ignore[no-untyped-def]
     text = "".join(f"part{i}." for i in range(n_segments))
     doc = tokenize("doc", text, CharTokenizer())
     segments = segment(doc, CharTokenizer(), SegmentationConfig(chunk_size=6))
-    return MemoryChain(
-        "doc#q0", "What?", segments, ChainConfig(max_memory_tokens=7, max_answer_tokens=9), **kwargs
-    )
+    config = config or ChainConfig(max_memory_tokens=7, max_answer_tokens=9)
+    return MemoryChain("doc#q0", "What?", segments, config, **kwargs)
 
 
 def test_chain_overwrites_memory_then_answers_from_memory_alone() -> None:
@@ -224,3 +223,26 @@ def test_metrics_follow_hotpotqa() -> None:
     assert f1_score("Eiffel Tower Paris", "Eiffel Tower") == pytest.approx(0.8)
     assert string_match_all("keys 12 and 34", ["12", "34", "56"]) == pytest.approx(2 / 3)
     assert string_match_any("KEY 12", ["key 12", "x"]) == 1.0
+
+
+def test_append_policy_keeps_old_evidence_until_the_budget_forces_it_out() -> None:
+    initial = APPEND_EVIDENCE.initial_memory
+    assert append_within_budget(initial, "NONE", 70, initial) == initial
+    memory = append_within_budget(initial, "Ann met Bo.\n\nBo is 7.", 70, initial)
+    assert memory == "Ann met Bo.\nBo is 7."
+    assert append_within_budget(memory, "none of it", 70, initial) == memory
+    memory = append_within_budget(memory, "The key is 4417.\nThe door is red.", 70, initial)
+    assert memory == "Ann met Bo.\nBo is 7.\nThe key is 4417.\nThe door is red."
+    memory = append_within_budget(memory, "A long new line of evidence.", 70, initial)
+    assert memory == "[dropped 3 older lines]\nThe door is red.\nA long new line of evidence."
+    memory = append_within_budget(memory, "Short.", 70, initial)
+    assert memory == "[dropped 4 older lines]\nA long new line of evidence.\nShort."
+
+
+def test_append_strategy_drives_the_chain() -> None:
+    chain = make_chain(2, config=ChainConfig(templates=APPEND_EVIDENCE, max_memory_tokens=50))
+    first = chain.next_request()
+    assert first is not None and "<memory>" not in first.prompt and "part0." in first.prompt
+    chain.submit("NONE")
+    chain.submit("part1. is the answer")
+    assert chain.memory == "part1. is the answer"

@@ -17,6 +17,8 @@ from .templates import REFERENCE, TemplateSet
 
 REFERENCE_MAX_MEMORY_TOKENS = 1024
 REFERENCE_MAX_ANSWER_TOKENS = 1024
+# Rough size of a token in English text: the memory budget of append policies, in characters.
+CHARS_PER_TOKEN = 4
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,10 @@ class MemoryChain:
         if self.done:
             raise RuntimeError(f"chain {self.chain_id} is already answered")
         if self.step < len(self.segments):
-            self.memory = strip_thinking(reply)
+            budget_chars = self.config.max_memory_tokens * CHARS_PER_TOKEN
+            self.memory = self.config.templates.next_memory(
+                self.memory, strip_thinking(reply), budget_chars
+            )
         else:
             self.raw_response = reply
         self.step += 1

@@ -53,12 +53,22 @@ STRUCTURE_TAGS = (
 
 @dataclass(frozen=True)
 class TemplateSet:
-    """The two prompts of one memory strategy: `update` sees a chunk, `final` only the memory."""
+    """One memory strategy: the `update` prompt sees a chunk, the `final` prompt only the memory.
+
+    `memory_policy` says what becomes of an update's reply: "overwrite" (the reference) makes it
+    the new memory; "append" adds it to the memory as new lines, unless it says NONE, and drops
+    the oldest lines, saying how many, once the memory outgrows its budget.
+    """
 
     name: str
     update: str
     final: str
     initial_memory: str = INITIAL_MEMORY
+    memory_policy: str = "overwrite"
+
+    def __post_init__(self) -> None:
+        if self.memory_policy not in ("overwrite", "append"):
+            raise ValueError(f"memory_policy must be overwrite or append: {self.memory_policy!r}")
 
     def render_update(self, question: str, memory: str, chunk: str) -> str:
         return self.update.format(
@@ -68,10 +78,83 @@ class TemplateSet:
     def render_final(self, question: str, memory: str) -> str:
         return self.final.format(question=defang(question), memory=defang(memory))
 
+    def next_memory(self, memory: str, reply: str, budget_chars: int) -> str:
+        if self.memory_policy == "overwrite":
+            return reply
+        return append_within_budget(memory, reply, budget_chars, self.initial_memory)
+
+
+NOTHING_FOUND = "NONE"
+
+
+def append_within_budget(memory: str, reply: str, budget_chars: int, initial: str) -> str:
+    """Appends the reply's lines to the memory; drops the oldest lines, and says how many,
+    when the result would exceed `budget_chars`."""
+    new_lines = [line.strip() for line in reply.splitlines() if line.strip()]
+    if not new_lines or new_lines[0].upper().startswith(NOTHING_FOUND):
+        return memory
+    lines = [] if memory == initial else memory.splitlines()
+    dropped = 0
+    if lines and (marker := _DROPPED.fullmatch(lines[0])):
+        dropped = int(marker.group(1))
+        lines.pop(0)
+    lines += new_lines
+    while len(lines) > 1 and len(_with_marker(lines, dropped)) > budget_chars:
+        lines.pop(0)
+        dropped += 1
+    return _with_marker(lines, dropped)
+
+
+_DROPPED = re.compile(r"\[dropped (\d+) older lines\]")
+
+
+def _with_marker(lines: list[str], dropped: int) -> str:
+    return "\n".join(([f"[dropped {dropped} older lines]"] if dropped else []) + lines)
+
 
 REFERENCE = TemplateSet(name="memagent-reference", update=REFERENCE_UPDATE, final=REFERENCE_FINAL)
 
-TEMPLATE_SETS: dict[str, TemplateSet] = {REFERENCE.name: REFERENCE}
+EXTRACTIVE_UPDATE = """You are reading a long document one section at a time to answer a problem. Your notes so far are in <memory>. Copy into the notes, word for word, every sentence of the section that helps answer the problem. Keep every sentence already in the notes. Write only the notes. If the section has nothing that helps, write the notes unchanged.
+
+<problem> 
+{question}
+</problem>
+
+<memory>
+{memory}
+</memory>
+
+<section>
+{chunk}
+</section>
+
+Updated notes:
+"""  # noqa: E501, W291
+
+EVIDENCE_UPDATE = """Find the sentences in the section that help answer the problem. Copy them word for word, one per line. If no sentence helps, write only: NONE
+
+<problem> 
+{question}
+</problem>
+
+<section>
+{chunk}
+</section>
+
+Sentences that help:
+"""  # noqa: E501, W291
+
+EXTRACTIVE = TemplateSet(name="extractive", update=EXTRACTIVE_UPDATE, final=REFERENCE_FINAL)
+APPEND_EVIDENCE = TemplateSet(
+    name="append-evidence",
+    update=EVIDENCE_UPDATE,
+    final=REFERENCE_FINAL,
+    memory_policy="append",
+)
+
+TEMPLATE_SETS: dict[str, TemplateSet] = {
+    t.name: t for t in (REFERENCE, EXTRACTIVE, APPEND_EVIDENCE)
+}
 
 
 def get_template_set(name: str) -> TemplateSet:
