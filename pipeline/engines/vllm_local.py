@@ -66,12 +66,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        prompt_ids = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": request.prompt}],
-            tokenize=True,
-            add_generation_prompt=True,
-            return_dict=False,
-        )
+        prompt_ids = chat_prompt_ids(self.tokenizer, request.prompt)
         budget = self.config.max_model_len - len(prompt_ids)
         if budget < 1:
             raise EngineError(
@@ -112,3 +107,13 @@ class VLLMEngine:
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+
+
+def chat_prompt_ids(tokenizer: Any, content: str) -> list[int]:
+    """Token ids of one user message rendered with the model's chat template."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )

@@ -1,0 +1,170 @@
+"""Engine efficiency: the same chains on the same engine, driven two ways.
+
+- memstream's ChainRunner: each chain submits its next step as soon as its last one returns.
+- step-synchronous: step k of every chain still reading goes to `LLM.generate` as one batch,
+  and step k+1 starts when the whole batch is done (the simple approach).
+
+Reports wall time, tokens/s and their ratio, measured one after the other in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import time
+from typing import Any
+
+from common import documents_of_lengths, write_results
+
+from pipeline import models
+from pipeline.ask import DocumentInput, PreparedDocument, prepare
+from pipeline.config import MethodConfig
+from pipeline.engines.base import Completion, GenerationRequest
+from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig, chat_prompt_ids
+from pipeline.runner import ChainRunner
+
+
+class BusyMeter:
+    """Wraps an engine and integrates how many requests are in flight over time."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
+        self.in_flight = 0
+        self.busy_s = 0.0
+        self.request_seconds = 0.0
+        self._last = time.perf_counter()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self.in_flight:
+            self.busy_s += now - self._last
+            self.request_seconds += self.in_flight * (now - self._last)
+        self._last = now
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        self._tick()
+        self.in_flight += 1
+        try:
+            return await self.engine.generate(request)
+        finally:
+            self._tick()
+            self.in_flight -= 1
+
+    async def shutdown(self) -> None:
+        await self.engine.shutdown()
+
+
+def build(
+    tokenizer: Any, lengths: list[int], questions: int, method: MethodConfig
+) -> list[PreparedDocument]:
+    asked = [f"What is said about topic {q}?" for q in range(questions)]
+    return [
+        prepare(DocumentInput(doc_id, text), asked, tokenizer, method)
+        for doc_id, text in documents_of_lengths(tokenizer, lengths)
+    ]
+
+
+async def run_memstream(config: VLLMEngineConfig, documents, method):  # type: ignore[no-untyped-def]
+    engine = BusyMeter(VLLMEngine(config))
+    runner = ChainRunner(engine, method.sampling())
+    started = time.perf_counter()
+    chains = [chain for document in documents for chain in document.chains]
+    results = await runner.run(chains)
+    elapsed = time.perf_counter() - started
+    await engine.shutdown()
+    total = sum(r.prompt_tokens + r.completion_tokens for r in results)
+    return {
+        "seconds": elapsed,
+        "tokens": total,
+        "tokens_per_s": total / elapsed,
+        "busy_fraction": engine.busy_s / elapsed,
+        "mean_requests_in_flight": engine.request_seconds / elapsed,
+    }
+
+
+def run_step_synchronous(config: VLLMEngineConfig, documents, method):  # type: ignore[no-untyped-def]
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**config.engine_args())
+    tokenizer = llm.get_tokenizer()
+    sampling = method.sampling()
+    chains = [chain for document in documents for chain in document.chains]
+    started = time.perf_counter()
+    total = 0
+    while active := [chain for chain in chains if not chain.done]:
+        requests = [chain.next_request() for chain in active]
+        prompts = [
+            TokensPrompt(prompt_token_ids=chat_prompt_ids(tokenizer, r.prompt)) for r in requests
+        ]
+        params = [
+            SamplingParams(max_tokens=r.max_tokens, temperature=sampling.temperature,
+                           top_p=sampling.top_p, seed=sampling.seed)
+            for r in requests
+        ]  # fmt: skip
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for chain, prompt, output in zip(active, prompts, outputs, strict=True):
+            completion = output.outputs[0]
+            chain.submit(completion.text)
+            total += len(prompt["prompt_token_ids"]) + len(completion.token_ids)
+    elapsed = time.perf_counter() - started
+    del llm
+    gc.collect()
+    return {"seconds": elapsed, "tokens": total, "tokens_per_s": total / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument(
+        "--lengths",
+        default="1000,2000,4000,8000,16000",
+        help="document lengths in tokens (the issue's full run: 4000..200000)",
+    )
+    parser.add_argument("--questions", type=int, default=2)
+    parser.add_argument("--chunk-size", type=int, default=1000)
+    parser.add_argument("--max-memory-tokens", type=int, default=64)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    lengths = [int(n) for n in args.lengths.split(",")]
+    method = MethodConfig(chunk_size=args.chunk_size, max_memory_tokens=args.max_memory_tokens,
+                          max_answer_tokens=32)  # fmt: skip
+    path = models.resolve(args.model)
+    config = VLLMEngineConfig(model=path, max_model_len=4096, enforce_eager=True,
+                              cpu_kvcache_space_gib=2)  # fmt: skip
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    memstream = asyncio.run(
+        run_memstream(config, build(tokenizer, lengths, args.questions, method), method)
+    )
+    baseline = run_step_synchronous(
+        config, build(tokenizer, lengths, args.questions, method), method
+    )
+    ratio = memstream["tokens_per_s"] / baseline["tokens_per_s"]
+    markdown = "\n".join([
+        f"Engine efficiency, {args.model}, documents of {args.lengths} tokens, "
+        f"{args.questions} question(s) each, chunk {args.chunk_size}, "
+        f"memory {args.max_memory_tokens}",
+        "",
+        "| driver | seconds | tokens | tokens/s | engine busy | mean requests in flight |",
+        "|---|---|---|---|---|---|",
+        f"| memstream runner | {memstream['seconds']:.1f} | {memstream['tokens']} | "
+        f"{memstream['tokens_per_s']:.0f} | {memstream['busy_fraction']:.0%} | "
+        f"{memstream['mean_requests_in_flight']:.1f} |",
+        f"| step-synchronous LLM.generate | {baseline['seconds']:.1f} | {baseline['tokens']} | "
+        f"{baseline['tokens_per_s']:.0f} | - | - |",
+        "",
+        f"runner / step-synchronous tokens/s: **{ratio:.2f}x**",
+    ])  # fmt: skip
+    write_results(
+        "engine_efficiency",
+        {"args": vars(args), "memstream": memstream, "step_synchronous": baseline, "ratio": ratio},
+        markdown,
+    )
+
+
+if __name__ == "__main__":
+    main()
