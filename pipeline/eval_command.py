@@ -1,0 +1,412 @@
+"""`memstream eval`: long-context benchmarks on one engine, memory chains against direct reading.
+
+`register(subparsers)` adds the command to the `memstream` parser. One engine is opened per run;
+every method reads the same samples through it, and every sample of a configuration is sent at
+once so the engine batches them. Results are rewritten after each configuration, so a stopped
+run keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .engines.base import Engine
+from .engines.factory import EngineSpec, load_tokenizer, open_engine
+from .evaluation import corpora
+from .evaluation.cuad import build_cuad_samples
+from .evaluation.execution import EvalMethod, EvalSettings, ProgressHook, parse_methods
+from .evaluation.haystack import HaystackCorpus, split_passages
+from .evaluation.hotpotqa import HotpotQABuilder
+from .evaluation.niah import DEFAULT_DEPTHS, NiahBuilder
+from .evaluation.report import (
+    ACCURACY_PLOT,
+    render_markdown,
+    write_accuracy_plot,
+    write_outputs,
+)
+from .evaluation.results import Configuration, ConfigurationRun, Prediction, SkippedConfiguration
+from .evaluation.samples import EvalSample, LengthSpec, parse_lengths
+from .evaluation.suite import TASKS, SuiteOutcome, parse_tasks, plan_groups, run_suite
+
+EXIT_PARTIAL_FAILURE = 1
+DEFAULT_METHODS = "memstream:memagent-reference,memstream:append-evidence,direct"
+# Room an update prompt needs besides the chunk and the memory: template, question, chat frame.
+UPDATE_PROMPT_ALLOWANCE = 512
+
+
+@dataclass(frozen=True)
+class RunDefaults:
+    samples: int
+    lengths: str
+    max_memory_tokens: int
+    max_answer_tokens: int
+    time_budget_min: float | None
+
+
+FULL = RunDefaults(
+    samples=10, lengths="8k,32k,128k", max_memory_tokens=1024, max_answer_tokens=1024,
+    time_budget_min=None,
+)  # fmt: skip
+# Fits in minutes on a small CPU: the shortest length, two samples, short replies.
+QUICK = RunDefaults(
+    samples=2, lengths="8k", max_memory_tokens=256, max_answer_tokens=64, time_budget_min=20
+)
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    from .cli import add_engine_arguments, positive_int
+
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "eval",
+        help="benchmark memory chains against direct reading (HotpotQA, NIAH, CUAD)",
+        description=(
+            "Builds RULER-HotpotQA, needle-in-a-haystack and CUAD samples from the shared "
+            "corpora at the given lengths, answers them with each method on one engine, and "
+            "writes results.json, results.md and accuracy_vs_length.png."
+        ),
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK.samples} samples, {QUICK.lengths} only, {QUICK.max_memory_tokens} memory "
+        f"and {QUICK.max_answer_tokens} answer tokens, {QUICK.time_budget_min:g} min budget "
+        "(explicit options win)",
+    )
+    parser.add_argument(
+        "--tasks", default=",".join(TASKS), help="comma-separated: " + ", ".join(TASKS)
+    )
+    parser.add_argument(
+        "--lengths",
+        help=f"target document tokens, e.g. 8k,32k,128k,512k,1m (default {FULL.lengths})",
+    )
+    parser.add_argument(
+        "--methods",
+        default=DEFAULT_METHODS,
+        help="comma-separated: direct, memstream:<template set> (default %(default)s)",
+    )
+    parser.add_argument(
+        "--samples", type=positive_int, help=f"samples per task and length (default {FULL.samples})"
+    )
+    parser.add_argument(
+        "--time-budget-min",
+        type=float,
+        help="start no new configuration after this many minutes (default: none)",
+    )
+    parser.add_argument(
+        "--depths",
+        default=",".join(str(d) for d in DEFAULT_DEPTHS),
+        help="needle depths, shares of the document (default %(default)s)",
+    )
+    parser.add_argument("--chunk-size", type=positive_int, default=5000)
+    parser.add_argument(
+        "--max-memory-tokens",
+        type=positive_int,
+        help=f"default {FULL.max_memory_tokens}; --quick {QUICK.max_memory_tokens}",
+    )
+    parser.add_argument(
+        "--max-answer-tokens",
+        type=positive_int,
+        help=f"default {FULL.max_answer_tokens}; --quick {QUICK.max_answer_tokens}",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling and sample building")
+    parser.add_argument("--output", type=Path, default=Path("eval-output"))
+    parser.add_argument("--corpora", type=Path, default=corpora.DEFAULT_CORPORA)
+    add_engine_arguments(parser)
+    parser.set_defaults(handler=run_eval_command)
+    return parser
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """Everything `memstream eval` was asked, with the defaults resolved."""
+
+    tasks: list[str]
+    lengths: list[LengthSpec]
+    methods: list[EvalMethod]
+    samples: int
+    depths: tuple[float, ...]
+    settings: EvalSettings
+    time_budget_min: float | None
+    output: Path
+    corpora: Path
+    quick: bool
+
+
+def resolve_request(args: argparse.Namespace, context_window: int) -> EvalRequest:
+    defaults = QUICK if args.quick else FULL
+    settings = EvalSettings(
+        context_window=context_window,
+        chunk_size=args.chunk_size,
+        max_memory_tokens=args.max_memory_tokens or defaults.max_memory_tokens,
+        max_answer_tokens=args.max_answer_tokens or defaults.max_answer_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    methods = parse_methods(args.methods)
+    if any(not method.is_direct for method in methods):
+        check_chunks_fit(settings)
+    settings.sampling()  # invalid temperature or top_p fail here
+    budget = args.time_budget_min if args.time_budget_min is not None else defaults.time_budget_min
+    if budget is not None and budget <= 0:
+        raise ValueError(f"--time-budget-min must be positive, got {budget:g}")
+    return EvalRequest(
+        tasks=parse_tasks(args.tasks),
+        lengths=parse_lengths(args.lengths or defaults.lengths),
+        methods=methods,
+        samples=args.samples or defaults.samples,
+        depths=parse_depths(args.depths),
+        settings=settings,
+        time_budget_min=budget,
+        output=args.output,
+        corpora=args.corpora,
+        quick=args.quick,
+    )
+
+
+def parse_depths(text: str) -> tuple[float, ...]:
+    try:
+        depths = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--depths takes numbers between 0 and 1, got {text!r}") from None
+    if not depths or any(not 0 <= depth <= 1 for depth in depths):
+        raise ValueError(f"--depths takes numbers between 0 and 1, got {text!r}")
+    return depths
+
+
+def check_chunks_fit(settings: EvalSettings) -> None:
+    """An update prompt holds a chunk and the memory, and its reply is another memory."""
+    needed = settings.chunk_size + 2 * settings.max_memory_tokens + UPDATE_PROMPT_ALLOWANCE
+    if needed > settings.context_window:
+        raise ValueError(
+            f"chunk size {settings.chunk_size} with {settings.max_memory_tokens} memory tokens "
+            f"needs a context window of about {needed} tokens, the engine has "
+            f"{settings.context_window}; lower --chunk-size or raise --max-model-len"
+        )
+
+
+class SampleBuilders:
+    """Builds each task's samples on first use; the texts are tokenized once per run."""
+
+    def __init__(self, request: EvalRequest, tokenizer: Any) -> None:
+        self.request = request
+        self.tokenizer = tokenizer
+        self._texts: dict[str, str] | None = None
+        self._hotpotqa: HotpotQABuilder | None = None
+        self._niah: NiahBuilder | None = None
+
+    def by_task(self) -> dict[str, Callable[[LengthSpec | None], list[EvalSample]]]:
+        return {"hotpotqa": self.hotpotqa, "niah": self.niah, "cuad": self.cuad}
+
+    def texts(self) -> dict[str, str]:
+        if self._texts is None:
+            self._texts = corpora.load_texts(self.request.corpora)
+        return self._texts
+
+    def hotpotqa(self, length: LengthSpec | None) -> list[EvalSample]:
+        assert length is not None
+        if self._hotpotqa is None:
+            filler = [
+                passage
+                for name, text in self.texts().items()
+                for passage in split_passages(name, text, self.tokenizer)
+            ]
+            examples = corpora.load_hotpotqa(self.request.corpora)
+            self._hotpotqa = HotpotQABuilder(examples, filler, self.tokenizer)
+        return self._hotpotqa.build(
+            length.tokens, self.request.samples, self.request.settings.seed, length.label
+        )
+
+    def niah(self, length: LengthSpec | None) -> list[EvalSample]:
+        assert length is not None
+        if self._niah is None:
+            self._niah = NiahBuilder(HaystackCorpus(self.texts(), self.tokenizer), self.tokenizer)
+        return self._niah.build(
+            length.tokens,
+            self.request.samples,
+            self.request.settings.seed,
+            length.label,
+            self.request.depths,
+        )
+
+    def cuad(self, _: LengthSpec | None) -> list[EvalSample]:
+        contracts = corpora.load_cuad(self.request.corpora)
+        return build_cuad_samples(contracts, self.tokenizer, self.request.samples)
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    from .cli import engine_spec
+
+    spec = engine_spec(args)
+    request = resolve_request(args, spec.resolved_max_model_len)
+    return run_eval(request, spec)
+
+
+def run_eval(request: EvalRequest, spec: EngineSpec) -> int:
+    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    tokenizer = load_tokenizer(spec)
+    metadata = run_metadata(request, spec.model, spec.kind)
+    outcome = asyncio.run(_open_and_evaluate(request, spec, tokenizer, metadata, console))
+    return report_run(request, metadata, outcome, console)
+
+
+async def _open_and_evaluate(
+    request: EvalRequest,
+    spec: EngineSpec,
+    tokenizer: Any,
+    metadata: dict[str, Any],
+    console: Console,
+) -> SuiteOutcome:
+    started = time.perf_counter()
+    with console.status(f"starting the {spec.kind} engine for {spec.model}"):
+        engine = open_engine(spec)
+        if hasattr(engine, "check"):
+            await engine.check()
+    metadata["engine_startup_s"] = round(time.perf_counter() - started, 1)
+    try:
+        return await evaluate(request, engine, tokenizer, metadata, console)
+    finally:
+        await engine.shutdown()
+
+
+async def evaluate(
+    request: EvalRequest,
+    engine: Engine,
+    tokenizer: Any,
+    metadata: dict[str, Any],
+    console: Console,
+) -> SuiteOutcome:
+    """Runs every configuration of `request` on an open engine, showing progress on `console`;
+    results.json and results.md are rewritten after each configuration."""
+    builders = SampleBuilders(request, tokenizer)
+    groups = plan_groups(request.tasks, request.lengths, builders.by_task())
+    listener = ConsoleListener(console, request.output, metadata)
+    budget_s = None if request.time_budget_min is None else request.time_budget_min * 60
+    started = time.perf_counter()
+    try:
+        with listener.progress:
+            return await run_suite(
+                engine,
+                tokenizer,
+                groups,
+                request.methods,
+                request.settings,
+                time_budget_s=budget_s,
+                listener=listener,
+            )
+    finally:
+        metadata["elapsed_s"] = round(time.perf_counter() - started, 1)
+
+
+def report_run(
+    request: EvalRequest, metadata: dict[str, Any], outcome: SuiteOutcome, console: Console
+) -> int:
+    """Writes the final outputs, prints the accuracy table; exit 1 when a prediction failed."""
+    written = write_outputs(request.output, metadata, outcome, plot=False)
+    try:
+        write_accuracy_plot(outcome.predictions, request.output / ACCURACY_PLOT)
+        written.append(request.output / ACCURACY_PLOT)
+    except ImportError:
+        console.print(f"no {ACCURACY_PLOT}: matplotlib is not installed (pip install matplotlib)")
+    print(render_markdown(metadata, outcome).split("\n## All metrics")[0])
+    console.print("wrote " + ", ".join(str(path) for path in written))
+    failed = sum(prediction.status != "ok" for prediction in outcome.predictions)
+    if failed:
+        console.print(f"{failed} prediction(s) failed; see the errors in results.json")
+        return EXIT_PARTIAL_FAILURE
+    return 0
+
+
+def run_metadata(request: EvalRequest, model: str, engine_kind: str) -> dict[str, Any]:
+    return {
+        "model": model,
+        "engine": engine_kind,
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "quick": request.quick,
+        "tasks": request.tasks,
+        "lengths": [asdict(length) for length in request.lengths],
+        "methods": [method.name for method in request.methods],
+        "samples_per_task_and_length": request.samples,
+        "niah_depths": list(request.depths),
+        "time_budget_min": request.time_budget_min,
+        "settings": asdict(request.settings),
+        "corpora": str(request.corpora),
+    }
+
+
+class _ConfigurationProgress:
+    def __init__(self, progress: Progress, task_id: Any) -> None:
+        self._progress = progress
+        self._task_id = task_id
+
+    def planned(self, calls: int) -> None:
+        self._progress.update(self._task_id, total=calls)
+
+    def called(self) -> None:
+        self._progress.advance(self._task_id)
+
+
+class ConsoleListener:
+    """Shows a progress bar of model calls per configuration, prints each configuration's
+    accuracy, and rewrites results.json and results.md after each one."""
+
+    def __init__(self, console: Console, output: Path, metadata: dict[str, Any]) -> None:
+        self.console = console
+        self.output = output
+        self.metadata = metadata
+        self.outcome = SuiteOutcome()
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("model calls"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+
+    def started(self, configuration: Configuration, n_samples: int) -> ProgressHook:
+        task_id = self.progress.add_task(f"{configuration.describe()} ({n_samples})", total=None)
+        return _ConfigurationProgress(self.progress, task_id)
+
+    def finished(self, run: ConfigurationRun, predictions: Sequence[Prediction]) -> None:
+        self.outcome.runs.append(run)
+        self.outcome.predictions += predictions
+        accuracy = sum(p.scores["accuracy"] for p in predictions) / max(len(predictions), 1)
+        errors = sum(p.status != "ok" for p in predictions)
+        self.console.print(
+            f"{run.configuration.describe()}: accuracy {accuracy:.2f} over {run.n_samples} "
+            f"samples in {run.seconds:.0f} s" + (f", {errors} failed" if errors else "")
+        )
+        write_outputs(self.output, self.metadata, self.outcome, plot=False)
+
+    def skipped(self, skipped: SkippedConfiguration) -> None:
+        self.outcome.skipped.append(skipped)
+        self.console.print(f"skipped {skipped.configuration.describe()}: {skipped.reason}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m pipeline.eval_command [options]`: the command without the `memstream` CLI."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(prog="memstream")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

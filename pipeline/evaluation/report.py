@@ -1,0 +1,206 @@
+"""Writes a run: `results.json` (every prediction), `results.md` (tables) and
+`accuracy_vs_length.png` (one line per method, one panel per task)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .results import Prediction, SummaryRow, summarize
+from .suite import SuiteOutcome
+
+RESULTS_JSON = "results.json"
+RESULTS_MARKDOWN = "results.md"
+ACCURACY_PLOT = "accuracy_vs_length.png"
+
+HEADLINE = {
+    "hotpotqa": "sub_em",
+    "niah": "string_match_all",
+    "cuad": "sub_em; parties: string_match_all",
+}
+METRIC_COLUMNS = (
+    ("accuracy", "accuracy"),
+    ("em", "EM"),
+    ("sub_em", "sub_em"),
+    ("f1", "F1"),
+    ("string_match_any", "match any"),
+    ("string_match_all", "match all"),
+    ("token_recall", "token recall"),
+    ("raw_match", "raw match"),
+    ("answered", "answered"),
+)
+
+
+def results_document(metadata: dict[str, Any], outcome: SuiteOutcome) -> dict[str, Any]:
+    return {
+        **metadata,
+        "summary": [asdict(row) for row in summarize(outcome.predictions)],
+        "configurations": [asdict(run) for run in outcome.runs],
+        "skipped": [asdict(skipped) for skipped in outcome.skipped],
+        "predictions": [asdict(prediction) for prediction in outcome.predictions],
+    }
+
+
+def render_markdown(metadata: dict[str, Any], outcome: SuiteOutcome) -> str:
+    predictions = outcome.predictions
+    methods = list(dict.fromkeys(p.method for p in predictions))
+    lines = [f"# memstream eval: {metadata.get('model', '?')}", ""]
+    settings = metadata.get("settings", {})
+    if settings:
+        lines.append(", ".join(f"{key} {value}" for key, value in settings.items()))
+        lines.append("")
+    headline = ", ".join(
+        f"{task}: {HEADLINE[task]}" for task in dict.fromkeys(p.task for p in predictions)
+    )
+    lines += [f"Accuracy is {headline}. Cells: accuracy (samples).", ""]
+    lines += _accuracy_table(predictions, methods)
+    lines += ["", "## All metrics", ""]
+    lines += _metrics_table(summarize(predictions))
+    for task, title in (("niah", "NIAH by variant and depth"), ("cuad", "CUAD by category")):
+        rows = [p for p in predictions if p.task == task]
+        if rows:
+            lines += ["", f"## {title}", ""]
+            lines += _breakdown_table(rows, methods, with_depth=task == "niah")
+    if outcome.skipped:
+        lines += ["", "## Skipped", ""]
+        lines += [f"- {s.configuration.describe()}: {s.reason}" for s in outcome.skipped]
+    return "\n".join(lines) + "\n"
+
+
+def _accuracy_table(predictions: Sequence[Prediction], methods: Sequence[str]) -> list[str]:
+    rows = summarize(predictions)
+    cells = {(r.group["task"], r.group["length_label"], r.group["method"]): r for r in rows}
+    groups = list(dict.fromkeys((r.group["task"], r.group["length_label"]) for r in rows))
+    tokens = {
+        group: _mean([p.document_tokens for p in predictions if (p.task, p.length_label) == group])
+        for group in groups
+    }
+    lines = [
+        "| task | length | tokens (mean) | " + " | ".join(methods) + " |",
+        "|---|---|---:|" + "---:|" * len(methods),
+    ]
+    for task, length in groups:
+        values = [_cell(cells.get((task, length, method))) for method in methods]
+        lines.append(
+            f"| {task} | {length} | {tokens[(task, length)]:,.0f} | {' | '.join(values)} |"
+        )
+    return lines
+
+
+def _metrics_table(rows: Sequence[SummaryRow]) -> list[str]:
+    header = ["task", "length", "method", "n", *(title for _, title in METRIC_COLUMNS)]
+    header += ["errors", "s/sample"]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|---|" + "---:|" * (len(header) - 3)]
+    for row in rows:
+        values = [row.group["task"], row.group["length_label"], row.group["method"], str(row.n)]
+        values += [f"{row.means[metric]:.2f}" for metric, _ in METRIC_COLUMNS]
+        values += [str(row.errors), f"{row.mean_seconds:.1f}"]
+        lines.append("| " + " | ".join(values) + " |")
+    return lines
+
+
+def _breakdown_table(
+    predictions: Sequence[Prediction], methods: Sequence[str], *, with_depth: bool
+) -> list[str]:
+    keys = ("length_label", "variant", "depth", "method") if with_depth else ("variant", "method")
+    rows = summarize(predictions, by=keys)
+    cells = {tuple(row.group[key] for key in keys): row for row in rows}
+    groups = list(dict.fromkeys(tuple(row.group[key] for key in keys[:-1]) for row in rows))
+    first = ["length", "variant", "depth"] if with_depth else ["category"]
+    lines = [
+        "| " + " | ".join(first + list(methods)) + " |",
+        "|" + "---|" * len(first) + "---:|" * len(methods),
+    ]
+    for group in groups:
+        values = [_cell(cells.get((*group, method))) for method in methods]
+        lines.append("| " + " | ".join([*map(_text, group), *values]) + " |")
+    return lines
+
+
+def _cell(row: SummaryRow | None) -> str:
+    return "-" if row is None else f"{row.means['accuracy']:.2f} ({row.n})"
+
+
+def _text(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def write_accuracy_plot(predictions: Sequence[Prediction], path: Path) -> None:
+    """Accuracy against document length, one panel per task and one line per method. Lengths
+    are the targets (the mean measured length for native-length tasks), on a log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    tasks = list(dict.fromkeys(p.task for p in predictions))
+    colors = {
+        method: f"C{i}" for i, method in enumerate(dict.fromkeys(p.method for p in predictions))
+    }
+    figure, axes = pyplot.subplots(
+        1, max(len(tasks), 1), figsize=(5 * max(len(tasks), 1), 4), squeeze=False
+    )
+    for axis, task in zip(axes[0], tasks, strict=False):
+        rows = summarize([p for p in predictions if p.task == task])
+        for method in dict.fromkeys(row.group["method"] for row in rows):
+            points = sorted(
+                (_x_position(row, predictions), row.means["accuracy"], row.group["length_label"])
+                for row in rows
+                if row.group["method"] == method
+            )
+            axis.plot(
+                [x for x, _, _ in points],
+                [y for _, y, _ in points],
+                marker="o",
+                label=method,
+                color=colors[method],
+            )
+        axis.set_xscale("log", base=2)
+        ticks = {_x_position(row, predictions): row.group["length_label"] for row in rows}
+        axis.set_xticks(list(ticks), labels=list(ticks.values()))
+        axis.minorticks_off()
+        axis.set_ylim(-0.05, 1.05)
+        axis.set_title(f"{task} ({HEADLINE.get(task, 'accuracy')})")
+        axis.set_xlabel("document tokens")
+        axis.set_ylabel("accuracy")
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize="small")
+    if not tasks:
+        axes[0][0].set_title("no predictions")
+    figure.tight_layout()
+    figure.savefig(path, format="png", dpi=120)
+    pyplot.close(figure)
+
+
+def _x_position(row: SummaryRow, predictions: Sequence[Prediction]) -> float:
+    targets = [
+        p.target_tokens
+        for p in predictions
+        if p.task == row.group["task"] and p.length_label == row.group["length_label"]
+    ]
+    if targets and targets[0] is not None:
+        return float(targets[0])
+    return max(row.mean_document_tokens, 1.0)
+
+
+def write_outputs(
+    output: Path, metadata: dict[str, Any], outcome: SuiteOutcome, *, plot: bool = True
+) -> list[Path]:
+    """Writes the JSON and Markdown, and the plot when asked; returns the files written."""
+    output.mkdir(parents=True, exist_ok=True)
+    written = [output / RESULTS_JSON, output / RESULTS_MARKDOWN]
+    written[0].write_text(
+        json.dumps(results_document(metadata, outcome), indent=2, ensure_ascii=False) + "\n"
+    )
+    written[1].write_text(render_markdown(metadata, outcome))
+    if plot:
+        write_accuracy_plot(outcome.predictions, output / ACCURACY_PLOT)
+        written.append(output / ACCURACY_PLOT)
+    return written

@@ -1,0 +1,507 @@
+"""`memstream eval`: task builders on the real corpora and tokenizer, scoring, reports, the
+scheduler, and one tiny end-to-end run on the shared real engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from pipeline.core.templates import REFERENCE
+from pipeline.engines.base import Completion, GenerationRequest
+from pipeline.eval_command import (
+    QUICK,
+    check_chunks_fit,
+    evaluate,
+    register,
+    report_run,
+    resolve_request,
+    run_metadata,
+)
+from pipeline.evaluation import corpora as corpus_files
+from pipeline.evaluation.cuad import (
+    ContractLabel,
+    build_cuad_samples,
+    date_spellings,
+    is_extractive,
+    party_names,
+)
+from pipeline.evaluation.direct import build_direct_prompt, chat_overhead_tokens, middle_truncate
+from pipeline.evaluation.execution import EvalMethod, EvalSettings, parse_methods
+from pipeline.evaluation.haystack import HaystackCorpus, Passage, split_passages
+from pipeline.evaluation.hotpotqa import HotpotExample, HotpotQABuilder
+from pipeline.evaluation.niah import VARIANTS, NiahBuilder, NiahCase
+from pipeline.evaluation.report import (
+    ACCURACY_PLOT,
+    RESULTS_JSON,
+    RESULTS_MARKDOWN,
+    render_markdown,
+    write_outputs,
+)
+from pipeline.evaluation.results import Prediction, summarize
+from pipeline.evaluation.samples import EvalSample, LengthSpec, count_tokens, parse_lengths
+from pipeline.evaluation.scoring import score, token_recall
+from pipeline.evaluation.suite import (
+    NATIVE_LENGTH_LABEL,
+    SampleGroup,
+    SuiteOutcome,
+    parse_tasks,
+    plan_groups,
+    run_suite,
+)
+from tests.conftest import TEST_MODEL
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def hotpot_examples(corpora: Path) -> list[HotpotExample]:
+    return corpus_files.load_hotpotqa(corpora)
+
+
+@pytest.fixture(scope="module")
+def short_texts(corpora: Path) -> dict[str, str]:
+    """The start of each real text: enough for every builder, quick to tokenize."""
+    return {name: text[:40_000] for name, text in corpus_files.load_texts(corpora).items()}
+
+
+@pytest.fixture(scope="module")
+def filler(short_texts: dict[str, str], tokenizer: Any) -> list[Passage]:
+    return [p for name, text in short_texts.items() for p in split_passages(name, text, tokenizer)]
+
+
+@pytest.fixture(scope="module")
+def hotpot_builder(hotpot_examples, filler, tokenizer) -> HotpotQABuilder:  # type: ignore[no-untyped-def]
+    return HotpotQABuilder(hotpot_examples, filler, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def haystack(short_texts: dict[str, str], tokenizer: Any) -> HaystackCorpus:
+    return HaystackCorpus(short_texts, tokenizer)
+
+
+def test_lengths_use_binary_units_and_come_out_sorted() -> None:
+    assert [length.tokens for length in parse_lengths("32k, 8K,1m,1.5k,8k")] == [
+        1536,
+        8192,
+        32768,
+        1048576,
+    ]
+    assert LengthSpec.parse("512k") == LengthSpec("512k", 524288)
+    for bad in ("8 kb", "-1k", "10", ""):
+        with pytest.raises(ValueError):
+            parse_lengths(bad)
+
+
+def gold_block(paragraph: Any) -> str:
+    return f"{paragraph.title}\n{paragraph.text}"
+
+
+@pytest.mark.parametrize(("target", "slack"), [(1536, 0.15), (8192, 0.03), (32768, 0.03)])
+def test_hotpotqa_fills_the_target_length(hotpot_builder, tokenizer, target, slack) -> None:  # type: ignore[no-untyped-def]
+    for sample in hotpot_builder.build(target, 2, seed=0, length_label="t"):
+        measured = count_tokens([sample.document], tokenizer)[0]
+        assert measured == sample.n_tokens
+        assert target * (1 - slack) <= measured <= target
+
+
+def test_hotpotqa_gold_paragraphs_appear_exactly_once_and_labels_are_sequential(
+    hotpot_builder, hotpot_examples
+) -> None:  # type: ignore[no-untyped-def]
+    samples = hotpot_builder.build(8192, 3, seed=0, length_label="8k")
+    for index, sample in enumerate(samples):
+        example = hotpot_examples[index]
+        assert sample.question == example.question
+        assert sample.answers == (example.answer,)
+        for paragraph, position in zip(example.gold, sample.details["gold_documents"], strict=True):
+            assert sample.document.count(paragraph.text) == 1
+            assert f"Document {position}:\n{gold_block(paragraph)}" in sample.document
+        labels = [int(n) for n in re.findall(r"^Document (\d+):$", sample.document, re.M)]
+        assert labels == list(range(1, sample.details["n_documents"] + 1))
+
+
+def test_hotpotqa_uses_own_distractors_first_then_real_text_passages(
+    hotpot_builder, hotpot_examples, filler
+) -> None:  # type: ignore[no-untyped-def]
+    short = hotpot_builder.build(1536, 1, seed=0, length_label="1.5k")[0]
+    assert any(d.text in short.document for d in hotpot_examples[0].distractors)
+    long = hotpot_builder.build(98304, 1, seed=0, length_label="96k")[0]
+    assert any(passage.text in long.document for passage in filler)
+
+
+def test_hotpotqa_cycles_filler_when_the_texts_run_out(hotpot_examples, filler, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    builder = HotpotQABuilder(hotpot_examples[:2], filler[:5], tokenizer)
+    sample = builder.build(8192, 1, seed=0, length_label="8k")[0]
+    assert 8192 * 0.97 <= sample.n_tokens <= 8192
+    assert sample.document.count(filler[0].text) > 1
+    for paragraph in hotpot_examples[0].gold:
+        assert sample.document.count(paragraph.text) == 1
+
+
+def test_hotpotqa_is_deterministic_given_a_seed(hotpot_builder) -> None:  # type: ignore[no-untyped-def]
+    first = hotpot_builder.build(4096, 2, seed=7, length_label="4k")
+    again = hotpot_builder.build(4096, 2, seed=7, length_label="4k")
+    other = hotpot_builder.build(4096, 2, seed=8, length_label="4k")
+    assert [s.document for s in first] == [s.document for s in again]
+    assert [s.document for s in first] != [s.document for s in other]
+
+
+def test_niah_cases_cover_every_variant_and_depth() -> None:
+    cases = [NiahCase.for_index(index) for index in range(9)]
+    assert len({(case.variant, case.depth) for case in cases}) == 9
+    assert {case.variant for case in cases[:3]} == set(VARIANTS)
+    assert {case.depth for case in cases[:3]} == {0.1, 0.5, 0.9}
+
+
+@pytest.mark.parametrize("target", [2048, 32768])
+def test_niah_needles_sit_at_their_depths(haystack, tokenizer, target) -> None:  # type: ignore[no-untyped-def]
+    # 32K tokens is more than the shortened texts hold, so the haystack wraps around.
+    assert haystack.n_tokens < 32768
+    samples = NiahBuilder(haystack, tokenizer).build(target, 9, seed=0, length_label="t")
+    for sample in samples:
+        assert count_tokens([sample.document], tokenizer)[0] == sample.n_tokens
+        assert target * 0.97 <= sample.n_tokens <= target
+        asked = sample.details["needles"][0]
+        assert sample.document.count(asked) == 1
+        tokens_before = count_tokens([sample.document[: sample.document.index(asked)]], tokenizer)
+        assert tokens_before[0] / sample.n_tokens == pytest.approx(sample.depth, abs=0.05)
+
+
+def test_niah_variants_plant_the_right_needles(haystack, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    samples = NiahBuilder(haystack, tokenizer).build(4096, 3, seed=1, length_label="4k")
+    by_variant = {sample.variant: sample for sample in samples}
+    single, multikey, multivalue = (by_variant[v] for v in ("single", "multikey", "multivalue"))
+    assert len(single.details["needles"]) == 1 and len(single.answers) == 1
+    keys = {re.search(r"for (\S+) is:", n)[1] for n in multikey.details["needles"]}  # type: ignore[index]
+    assert len(keys) == 4 and len(multikey.answers) == 1
+    assert multikey.answers[0] in multikey.details["needles"][0]
+    assert len(multivalue.answers) == 4 and multivalue.question.startswith("What are all")
+    for sample in samples:
+        assert sample.answer_mode == "all"
+        for needle in sample.details["needles"]:
+            assert sample.document.count(needle) == 1
+
+
+def test_niah_is_deterministic_given_a_seed(haystack, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    builder = NiahBuilder(haystack, tokenizer)
+    first = builder.build(2048, 3, seed=3, length_label="2k")
+    assert [s.document for s in first] == [
+        s.document for s in builder.build(2048, 3, seed=3, length_label="2k")
+    ]
+    assert first[0].document != builder.build(2048, 1, seed=4, length_label="2k")[0].document
+
+
+def test_cuad_labels_load_with_their_contract_texts(corpora, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    contracts = corpus_files.load_cuad(corpora)
+    assert {contract.name for contract, _ in contracts} == {"PhotronicsInc", "VitalibisInc"}
+    samples = build_cuad_samples(contracts, tokenizer)
+    by_id = {sample.sample_id: sample for sample in samples}
+    parties = by_id["cuad-VitalibisInc-parties"]
+    assert parties.answers == ("VITALIBIS INC", "VOTOCAST, Inc.") and parties.answer_mode == "all"
+    assert by_id["cuad-VitalibisInc-governing-law"].answers == ("California",)
+    assert "May 16, 2017" in by_id["cuad-PhotronicsInc-agreement-date"].answers
+    assert by_id["cuad-PhotronicsInc-expiration-date"].answers == ("perpetual",)
+    assert all(sample.n_tokens > 5000 for sample in samples)
+    assert not any(a.lower() in ("yes", "no") for s in samples for a in s.answers)
+    # The four headline categories come first, so a small sample count asks them.
+    firsts = {s.variant for s in build_cuad_samples(contracts, tokenizer, n_samples=7)}
+    assert firsts == {"Parties", "Governing Law", "Agreement Date", "Expiration Date"}
+
+
+def test_cuad_answers_drop_role_groupings_and_spell_dates() -> None:
+    label = ContractLabel(
+        "Parties",
+        'Acme, Inc. ("Acme"); Beta LLC ("Beta"); Acme and Beta ("Parties")',
+        ("Acme, Inc.", "Beta LLC", "Acme"),
+    )
+    assert party_names(label) == ("Acme, Inc.", "Beta LLC")
+    assert date_spellings(5, 1, 2017)[:4] == (
+        "5/1/2017",
+        "May 1, 2017",
+        "1 May 2017",
+        "1st day of May, 2017",
+    )
+    assert not is_extractive(ContractLabel("Audit Rights", "Yes", ()))
+    assert not is_extractive(ContractLabel("Effective Date", "", ()))
+
+
+def test_scores_follow_the_reference_and_ruler() -> None:
+    hotpot = score(
+        ["Ohio River"], "any", "the Ohio River", "Therefore, the answer is the Ohio River."
+    )
+    assert hotpot["em"] == hotpot["sub_em"] == hotpot["accuracy"] == 1.0
+    partial = score(["Duran Duran"], "any", "Duran", "...")
+    assert partial["sub_em"] == 1.0 and partial["em"] == 0.0 and 0 < partial["f1"] < 1
+    assert score(["yes"], "any", "no", "...")["f1"] == 0.0
+    needles = score(["1234567", "7654321"], "all", "1234567 and more", "raw 1234567 7654321")
+    assert needles["string_match_all"] == needles["accuracy"] == 0.5
+    assert needles["string_match_any"] == 1.0 and needles["raw_match"] == 1.0
+
+
+def test_a_missing_or_empty_answer_scores_zero_but_raw_match_still_looks() -> None:
+    missing = score(["1234567"], "all", None, "The number is 1234567.")
+    assert missing["accuracy"] == missing["answered"] == 0.0 and missing["raw_match"] == 1.0
+    # "the" normalizes to nothing, which is a substring of every reference.
+    assert score(["Ohio River"], "any", "the", "Therefore, the answer is the")["sub_em"] == 0.0
+
+
+def test_token_recall_is_lenient_and_all_mode_recalls_every_reference() -> None:
+    assert token_recall("Photronics Inc", "Photronics, Inc.") == 1.0
+    assert token_recall("Acme", "Acme Beta") == 0.5
+    scores = score(["Acme, Inc.", "Beta LLC"], "all", "Acme Inc and Beta", "...")
+    assert scores["token_recall"] == pytest.approx(0.75)
+    assert scores["string_match_all"] == 0.0  # "Acme, Inc." is not there verbatim
+
+
+def prediction(method: str, accuracy: float, **fields: Any) -> Prediction:
+    values: dict[str, Any] = {
+        "task": "hotpotqa",
+        "length_label": "8k",
+        "target_tokens": 8192,
+        "document_tokens": 8000,
+        "depth": None,
+        "variant": None,
+        "sample_id": "s",
+        "question": "q?",
+        "gold": ["a"],
+        "answer_mode": "any",
+        "prediction": "a",
+        "raw_response": "Therefore, the answer is a",
+        "final_memory": None,
+        "prompt_tokens": 10,
+        "completion_tokens": 5,
+        "n_calls": 1,
+        "seconds": 2.0,
+        "status": "ok",
+        **fields,
+    }
+    scores = dict.fromkeys(("accuracy", "sub_em"), accuracy)
+    return Prediction(method=method, scores=scores, **values)
+
+
+def test_summaries_average_per_task_length_and_method() -> None:
+    rows = summarize(
+        [
+            prediction("direct", 1.0),
+            prediction("direct", 0.0),
+            prediction("memstream:x", 1.0),
+            prediction("direct", 1.0, length_label="32k", status="error"),
+        ]
+    )
+    assert [(r.group["method"], r.group["length_label"], r.n) for r in rows] == [
+        ("direct", "8k", 2),
+        ("memstream:x", "8k", 1),
+        ("direct", "32k", 1),
+    ]
+    assert rows[0].means["accuracy"] == 0.5 and rows[0].means["f1"] == 0.0
+    assert rows[2].errors == 1
+
+
+def test_middle_truncation_keeps_head_and_tail() -> None:
+    assert middle_truncate(list(range(10)), 4) == [0, 1, 8, 9]
+    assert middle_truncate(list(range(10)), 5) == [0, 1, 7, 8, 9]
+    assert middle_truncate([1, 2], 5) == [1, 2]
+
+
+def test_direct_prompt_fits_the_window(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    document = "START of the text. " + "filler words here. " * 3000 + "END of the text."
+    overhead = chat_overhead_tokens(tokenizer)
+    prompt = build_direct_prompt(document, "What?", tokenizer, 2048, 64, overhead)
+    assert prompt.truncated and prompt.shown_tokens < prompt.document_tokens
+    assert "START" in prompt.prompt and "END of the text." in prompt.prompt
+    assert prompt.prompt.endswith('"Therefore, the answer is (insert answer here)".')
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt.prompt}], tokenize=True, add_generation_prompt=True
+    )
+    assert len(rendered) + 64 <= 2048
+    short = build_direct_prompt("A short text.", "What?", tokenizer, 2048, 64, overhead)
+    assert not short.truncated and "A short text." in short.prompt
+
+
+def outcome_for_reports() -> SuiteOutcome:
+    niah = {"task": "niah", "depth": 0.5, "variant": "single", "answer_mode": "all"}
+    return SuiteOutcome(
+        predictions=[
+            prediction("direct", 1.0),
+            prediction("memstream:memagent-reference", 0.0),
+            prediction("direct", 0.0, length_label="32k", target_tokens=32768),
+            prediction(
+                "memstream:memagent-reference", 1.0, length_label="32k", target_tokens=32768
+            ),
+            prediction("direct", 1.0, **niah),
+        ]
+    )
+
+
+def test_markdown_has_an_accuracy_table_per_task_length_and_method() -> None:
+    text = render_markdown({"model": "m", "settings": {"chunk_size": 512}}, outcome_for_reports())
+    assert "| task | length | tokens (mean) | direct | memstream:memagent-reference |" in text
+    assert "| hotpotqa | 8k | 8,000 | 1.00 (1) | 0.00 (1) |" in text
+    assert "| hotpotqa | 32k | 8,000 | 0.00 (1) | 1.00 (1) |" in text
+    assert "| niah | 8k | 8,000 | 1.00 (1) | - |" in text
+    assert "## NIAH by variant and depth" in text
+
+
+def test_outputs_are_written_with_a_real_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the accuracy plot needs matplotlib")
+    written = write_outputs(tmp_path / "out", {"model": "m"}, outcome_for_reports())
+    assert {path.name for path in written} == {RESULTS_JSON, RESULTS_MARKDOWN, ACCURACY_PLOT}
+    assert (tmp_path / "out" / ACCURACY_PLOT).read_bytes()[:8] == PNG_MAGIC
+    results = json.loads((tmp_path / "out" / RESULTS_JSON).read_text())
+    assert len(results["predictions"]) == 5 and results["model"] == "m"
+    assert {"task", "length_label", "method", "scores", "raw_response", "final_memory"} <= set(
+        results["predictions"][0]
+    )
+
+
+def test_methods_and_tasks_are_parsed_strictly() -> None:
+    methods = parse_methods("memstream:append-evidence, direct,memstream")
+    assert [m.name for m in methods] == [
+        "memstream:append-evidence",
+        "direct",
+        f"memstream:{REFERENCE.name}",
+    ]
+    assert methods[1].is_direct and methods[0].template == "append-evidence"
+    with pytest.raises(ValueError, match="unknown template set"):
+        parse_methods("memstream:nope")
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_methods("rag")
+    with pytest.raises(ValueError, match="unknown task"):
+        parse_tasks("hotpotqa,squad")
+
+
+def test_groups_run_native_tasks_first_then_lengths_ascending() -> None:
+    builders = dict.fromkeys(("hotpotqa", "niah", "cuad"), lambda length: [])
+    groups = plan_groups(["hotpotqa", "cuad", "niah"], parse_lengths("32k,8k"), builders)
+    assert [(g.task, g.length_label) for g in groups] == [
+        ("cuad", NATIVE_LENGTH_LABEL),
+        ("hotpotqa", "8k"),
+        ("niah", "8k"),
+        ("hotpotqa", "32k"),
+        ("niah", "32k"),
+    ]
+
+
+class EchoEngine:
+    """Answers every prompt with the same sentence: enough to schedule configurations."""
+
+    model = "echo"
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        self.prompts.append(request.prompt)
+        return Completion(request.request_id, "Therefore, the answer is 42.", 10, 5, "stop", 0.0)
+
+    async def shutdown(self) -> None:
+        pass
+
+
+def tiny_sample(task: str, label: str) -> EvalSample:
+    return EvalSample(task, f"{task}-{label}", label, 300, "Some text. " * 20, 60, "Q?", ("42",))
+
+
+def test_the_time_budget_stops_new_configurations(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    ticks = iter(range(0, 10_000, 50))  # every clock reading is 50 s later
+    groups = [
+        SampleGroup(task, label, lambda t=task, lb=label: [tiny_sample(t, lb)])
+        for label in ("1k", "2k")
+        for task in ("hotpotqa", "niah")
+    ]
+    methods: Sequence[EvalMethod] = parse_methods("direct,memstream")
+    engine = EchoEngine()
+    outcome = asyncio.run(
+        run_suite(
+            engine,
+            tokenizer,
+            groups,
+            methods,
+            EvalSettings(context_window=2048, chunk_size=256, max_memory_tokens=16),
+            time_budget_s=260,
+            clock=lambda: float(next(ticks)),
+        )
+    )
+    ran = [run.configuration.describe() for run in outcome.runs]
+    assert ran[:2] == ["hotpotqa 1k direct", "hotpotqa 1k memstream:memagent-reference"]
+    assert len(ran) + len(outcome.skipped) == 8 and outcome.skipped
+    assert outcome.skipped[-1].configuration.describe() == "niah 2k memstream:memagent-reference"
+    assert all(p.prediction == "42" and p.scores["accuracy"] == 1.0 for p in outcome.predictions)
+
+
+def parse_eval_arguments(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(["eval", *argv])
+
+
+def test_quick_resolves_small_defaults_and_explicit_options_win() -> None:
+    quick = resolve_request(parse_eval_arguments("--quick"), context_window=8192)
+    assert quick.samples == QUICK.samples and [x.label for x in quick.lengths] == ["8k"]
+    assert quick.settings.max_answer_tokens == QUICK.max_answer_tokens
+    assert quick.time_budget_min == QUICK.time_budget_min
+    explicit = resolve_request(
+        parse_eval_arguments("--quick", "--samples", "5", "--lengths", "32k", "--tasks", "niah"),
+        context_window=8192,
+    )
+    assert explicit.samples == 5 and explicit.lengths[0].tokens == 32768
+    assert explicit.tasks == ["niah"]
+    full = resolve_request(parse_eval_arguments(), context_window=16384)
+    assert [x.label for x in full.lengths] == ["8k", "32k", "128k"] and full.time_budget_min is None
+
+
+def test_chunks_that_cannot_fit_the_window_are_refused() -> None:
+    with pytest.raises(ValueError, match="lower --chunk-size"):
+        check_chunks_fit(EvalSettings(context_window=4096, chunk_size=5000))
+    check_chunks_fit(EvalSettings(context_window=8192, chunk_size=5000, max_memory_tokens=1024))
+    with pytest.raises(ValueError, match="lower --chunk-size"):
+        resolve_request(parse_eval_arguments("--max-memory-tokens", "2048"), context_window=8192)
+    direct_only = resolve_request(parse_eval_arguments("--methods", "direct"), context_window=4096)
+    assert direct_only.methods == [EvalMethod("direct", None)]
+
+
+@pytest.mark.engine
+def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
+    vllm_engine, event_loop_runner, tokenizer, tmp_path, capsys
+) -> None:
+    """What `memstream eval` does once its engine is open, on the shared engine's window."""
+    pytest.importorskip("matplotlib", reason="the accuracy plot needs matplotlib")
+    output = tmp_path / "eval"
+    request = resolve_request(
+        parse_eval_arguments(
+            "--tasks", "hotpotqa,niah", "--lengths", "1.5k", "--samples", "2",
+            "--methods", "memstream,direct", "--chunk-size", "512",
+            "--max-memory-tokens", "32", "--max-answer-tokens", "32", "--output", str(output),
+        ),
+        context_window=vllm_engine.config.max_model_len,
+    )  # fmt: skip
+    metadata = run_metadata(request, TEST_MODEL, "vllm")
+    console = Console(stderr=True)
+    outcome = event_loop_runner.run(evaluate(request, vllm_engine, tokenizer, metadata, console))
+    exit_code = report_run(request, metadata, outcome, console)
+
+    assert exit_code == 0, [p.error for p in outcome.predictions]
+    assert [run.configuration.describe() for run in outcome.runs] == [
+        "hotpotqa 1.5k memstream:memagent-reference",
+        "hotpotqa 1.5k direct",
+        "niah 1.5k memstream:memagent-reference",
+        "niah 1.5k direct",
+    ]
+    assert len(outcome.predictions) == 8
+    assert all(p.raw_response and p.completion_tokens > 0 for p in outcome.predictions)
+    chains = [p for p in outcome.predictions if p.method != "direct"]
+    assert all(p.n_calls == p.details["n_segments"] + 1 >= 3 for p in chains)
+    assert all(p.final_memory is not None for p in chains)
+    direct = [p for p in outcome.predictions if p.method == "direct"]
+    assert all(p.n_calls == 1 and not p.details["truncated"] for p in direct)
+    assert (output / ACCURACY_PLOT).read_bytes()[:8] == PNG_MAGIC
+    results = json.loads((output / RESULTS_JSON).read_text())
+    assert len(results["predictions"]) == 8 and len(results["summary"]) == 4
+    assert "| hotpotqa | 1.5k |" in capsys.readouterr().out
