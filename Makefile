@@ -2,6 +2,9 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 TEST_MODEL ?= smollm2-135m-instruct
+# Document size factor of the demo corpus: 0.4 gives 8K-36K-token documents and fits the
+# 20-minute budget of a fresh 2-core machine; 1.0 gives 20K-90K.
+DEMO_SCALE ?= 0.4
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -14,7 +17,7 @@ models: setup
 	$(BIN)/memstream models pull $(TEST_MODEL)
 
 demo: setup
-	$(BIN)/memstream demo
+	$(BIN)/memstream demo --scale $(DEMO_SCALE)
 
 test: setup models
 	bash infra/services/postgres.sh install

@@ -63,8 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_method_arguments(demo)
     demo.set_defaults(handler=run_demo_command)
 
-    from .eval_command import register as register_eval
+    from serving.cli import register as register_serve
 
+    from .eval_command import register as register_eval
+    from .run_command import register as register_run
+
+    register_run(commands)
+    register_serve(commands)
     register_eval(commands)
 
     model_commands = commands.add_parser("models", help="small real models shipped in wheels")

@@ -1,98 +1,64 @@
-"""`memstream demo`: generate the demo corpus, answer its planted questions, score the answers."""
+"""`memstream demo`: generate the demo corpus, run the corpus job over it, score the answers.
+
+The demo is the main job on the embedded defaults: local Ray, a local folder, SQLite state and
+a small real model on the CPU. Rerunning it resumes the same run, so answered chains are skipped.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections import defaultdict
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
 from . import democorpus
-from .ask import DocumentInput, prepare
-from .ask_command import run_with_progress
 from .config import MethodConfig
 from .core.extraction import string_match_any
-from .engines.factory import EngineSpec, load_tokenizer
+from .engines.factory import EngineSpec
+from .job import JobSpec, OutputSpec, run_job
+from .run_command import summary_table
 
 
 def run_demo(output: Path, spec: EngineSpec, method: MethodConfig, scale: float) -> int:
     console = Console(stderr=True, soft_wrap=True, highlight=False)
+    output = output.resolve()
+    corpus = output / "corpus"
     documents = democorpus.generate(scale=scale)
-    questions_file = democorpus.write(output / "corpus", documents)
-    console.print(f"demo corpus: {len(documents)} documents in {questions_file.parent}")
-    tokenizer = load_tokenizer(spec)
-    prepared = [
-        prepare(
-            DocumentInput(document.name, document.text),
-            [fact.question for fact in document.facts],
-            tokenizer,
-            method,
-        )
-        for document in documents
-    ]
-    results, timings = asyncio.run(run_with_progress(prepared, spec, method, console))
+    expected_file = democorpus.write(corpus, documents)
+    console.print(f"demo corpus: {len(documents)} documents with planted facts in {corpus}")
+    job = JobSpec(
+        sources=(str(corpus),),
+        output=OutputSpec(uri=str(output / "runs")),
+        engine=spec,
+        method=method,
+    )
+    summary = run_job(job)
+    Console().print(summary_table(summary))
 
-    table = Table(title=f"memstream demo: {spec.model}")
+    expected = {
+        (row["document"], row["question"]): row["expected"]
+        for row in map(json.loads, expected_file.read_text().splitlines())
+    }
+    answers = pq.read_table(summary.outputs["answers"]).to_pylist()
+    table = Table(title=f"Planted facts, {spec.model}")
     for column in ("document", "tokens", "question", "expected", "answer", ""):
         table.add_column(column)
-    records = []
-    correct_by_document: dict[str, int] = defaultdict(int)
-    for document, ready in zip(documents, prepared, strict=True):
-        for fact, result in zip(document.facts, results[document.name], strict=True):
-            correct = result.answer is not None and bool(
-                string_match_any(result.answer, [fact.answer])
-            )
-            correct_by_document[document.name] += correct
-            table.add_row(
-                document.name,
-                f"{ready.n_tokens:,}",
-                fact.question,
-                fact.answer,
-                result.answer or f"({result.status}: no answer)",
-                "✓" if correct else "✗",
-            )
-            records.append(
-                {
-                    "document": document.name,
-                    "n_tokens": ready.n_tokens,
-                    "n_segments": len(ready.segments),
-                    "question": fact.question,
-                    "expected": fact.answer,
-                    "answer": result.answer,
-                    "correct": correct,
-                    "raw_response": result.raw_response,
-                    "final_memory": result.final_memory,
-                    "prompt_tokens": result.prompt_tokens,
-                    "completion_tokens": result.completion_tokens,
-                    "chain_s": round(result.elapsed_s, 2),
-                    "status": result.status,
-                    "error": result.error,
-                }
-            )
+    correct = 0
+    for row in sorted(answers, key=lambda r: (r["source_uri"], r["question_id"])):
+        document = Path(row["source_uri"]).name
+        gold = expected.get((document, row["question"]), "?")
+        found = row["answer"] is not None and bool(string_match_any(row["answer"], [gold]))
+        correct += found
+        shown = row["answer"] if row["answer"] is not None else f"({row['status']}: no answer)"
+        table.add_row(document, f"{row['n_tokens']:,}", row["question"], gold, shown,
+                      "✓" if found else "✗")  # fmt: skip
     Console().print(table)
-    n_correct = sum(correct_by_document.values())
-    n_steps = sum(r["n_segments"] + 1 for r in records)
-    compute_s = timings["total_s"] - timings["engine_startup_s"]
-    summary = {
-        "model": spec.model,
-        "method": method.as_dict(),
-        "correct": n_correct,
-        "questions": len(records),
-        "steps": n_steps,
-        "engine_startup_s": round(timings["engine_startup_s"], 1),
-        "compute_s": round(compute_s, 1),
-        "seconds_per_step": round(compute_s / n_steps, 2),
-        "answers": records,
-    }
-    result_file = output / "answers.json"
-    result_file.write_text(json.dumps(summary, indent=2) + "\n")
-    startup = timings["engine_startup_s"]
-    print(
-        f"{n_correct}/{len(records)} planted facts found; {n_steps} model calls in "
-        f"{compute_s:.0f} s ({compute_s / n_steps:.1f} s per call) after {startup:.0f} s start-up"
-    )
-    print(f"answers, memories and timings: {result_file}")
-    return 0
+    print(f"{correct}/{len(expected)} planted facts found")
+    folder = Path(summary.outputs["answers"]).parent
+    print(f"outputs: {folder} (answers, trajectory, errors as Parquet; manifest.json)")
+    query = f"SELECT source_uri, question, answer FROM '{folder}/answers.parquet'"
+    print("look at them with DuckDB, e.g.:")
+    print(f'  .venv/bin/python -c "import duckdb; duckdb.sql(\\"{query}\\").show()"')
+    return 0 if summary.ok else 1

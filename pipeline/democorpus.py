@@ -116,16 +116,19 @@ def generate(seed: int = 7, scale: float = 1.0) -> list[DemoDocument]:
 
 
 def write(folder: Path, documents: list[DemoDocument]) -> Path:
-    """Writes the documents and `questions.jsonl` (document, question, expected answer)."""
+    """Writes each document with its questions beside it (`NAME.questions.txt`, a sidecar the
+    local source reads) and, one level up, `expected.jsonl` (document, question, expected)."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = []
     for document in documents:
         (folder / document.name).write_text(document.text, encoding="utf-8")
+        sidecar = folder / f"{document.name}.questions.txt"
+        sidecar.write_text("".join(f"{fact.question}\n" for fact in document.facts))
         for fact in document.facts:
             lines.append(json.dumps({"document": document.name, **_public(fact)}))
-    questions = folder / "questions.jsonl"
-    questions.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return questions
+    expected = folder.parent / "expected.jsonl"
+    expected.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return expected
 
 
 def _public(fact: PlantedFact) -> dict[str, str]:

@@ -1,0 +1,686 @@
+"""Chain checkpoints in an SQL database (SQLite or PostgreSQL), through SQLAlchemy Core.
+
+A chain is content-addressed: its key hashes the document's text, the question, the model and the
+method, so a rerun (or another run over the same content) finds its progress. Every model call
+is one `steps` row, written in the same transaction that advances the chain's checkpoint
+(`chains.step`, `chains.memory`), so after a crash a chain resumes from its last written step and
+its trajectory has no gap and no duplicate.
+
+A run's membership tables (`documents`, `run_chains`, `errors`) say which documents and
+questions belong to the run; each row carries the run's attempt number, so the export of a rerun
+shows exactly the inputs that attempt saw.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlalchemy import (
+    Column,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    and_,
+    create_engine,
+    event,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+SUPPORTED_DIALECTS = ("sqlite", "postgresql")
+SQLITE_BUSY_TIMEOUT_MS = 60_000
+
+metadata = MetaData()
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("run_id", String(64), primary_key=True),
+    Column("attempt", Integer, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("summary", Text),  # JSON: what the run reads and how (no secrets)
+    Column("created_at", Float, nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("finished_at", Float),
+)
+
+chains = Table(
+    "chains",
+    metadata,
+    Column("chain_key", String(64), primary_key=True),
+    Column("run_id", String(64), nullable=False),  # the run that last planned it
+    Column("doc_id", String(64), nullable=False),
+    Column("source_uri", Text, nullable=False),
+    Column("question_id", String(128), nullable=False),
+    Column("question", Text, nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("step", Integer, nullable=False),  # the next step to run = steps done
+    Column("memory", Text),  # the memory after the last update step; NULL before the first
+    Column("answer", Text),
+    Column("raw_response", Text),
+    Column("n_segments", Integer, nullable=False),
+    Column("n_tokens", Integer, nullable=False),
+    Column("prompt_tokens", Integer, nullable=False, default=0),
+    Column("completion_tokens", Integer, nullable=False, default=0),
+    Column("compute_s", Float, nullable=False, default=0.0),  # sum of step latencies
+    Column("error", Text),
+    Column("created_at", Float, nullable=False),
+    Column("started_at", Float),
+    Column("updated_at", Float, nullable=False),
+    Column("finished_at", Float),
+)
+
+steps = Table(
+    "steps",
+    metadata,
+    Column("chain_key", String(64), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("kind", String(16), nullable=False),
+    Column("segment_index", Integer),
+    Column("token_start", Integer),
+    Column("token_end", Integer),
+    Column("char_start", Integer),
+    Column("char_end", Integer),
+    Column("memory_after", Text, nullable=False),  # the raw response on the final step
+    Column("prompt_tokens", Integer, nullable=False),
+    Column("completion_tokens", Integer, nullable=False),
+    Column("finish_reason", String(32)),
+    Column("latency_s", Float, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+documents = Table(
+    "documents",
+    metadata,
+    Column("run_id", String(64), primary_key=True),
+    Column("source_uri", String(2048), primary_key=True),
+    Column("attempt", Integer, nullable=False),
+    Column("doc_id", String(64), nullable=False),
+    Column("name", Text, nullable=False),
+    Column("content_sha256", String(64), nullable=False),
+    Column("parser", String(64)),
+    Column("pages", Integer),
+    Column("warnings", Text),  # JSON list
+    Column("metadata", Text),  # JSON object from the source
+    Column("n_tokens", Integer),
+    Column("n_segments", Integer),
+    Column("updated_at", Float, nullable=False),
+)
+
+run_chains = Table(
+    "run_chains",
+    metadata,
+    Column("run_id", String(64), primary_key=True),
+    Column("source_uri", String(2048), primary_key=True),
+    Column("question_id", String(128), primary_key=True),
+    Column("attempt", Integer, nullable=False),
+    Column("chain_key", String(64), nullable=False, index=True),
+    Column("question", Text, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+errors = Table(
+    "errors",
+    metadata,
+    Column("run_id", String(64), primary_key=True),
+    Column("source_uri", String(2048), primary_key=True),
+    Column("stage", String(32), primary_key=True),
+    Column("attempt", Integer, nullable=False),
+    Column("doc_id", String(64)),
+    Column("name", Text),
+    Column("error_type", String(128), nullable=False),
+    Column("message", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+
+class StateStoreError(RuntimeError):
+    """A state store that cannot be used, in one line: what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class DocumentRecord:
+    run_id: str
+    attempt: int
+    source_uri: str
+    doc_id: str
+    name: str
+    content_sha256: str
+    parser: str | None
+    pages: int | None
+    warnings: Sequence[str]
+    metadata: Mapping[str, Any]
+    n_tokens: int | None = None
+    n_segments: int | None = None
+
+
+@dataclass(frozen=True)
+class PlannedChain:
+    chain_key: str
+    question_id: str
+    question: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    status: str
+    step: int
+    memory: str | None
+
+
+@dataclass(frozen=True)
+class StepCheckpoint:
+    """One finished model call and the chain state right after it."""
+
+    chain_key: str
+    step: int
+    kind: str
+    segment_index: int | None
+    token_start: int | None
+    token_end: int | None
+    char_start: int | None
+    char_end: int | None
+    memory_after: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    latency_s: float
+    # the chain after the step
+    next_step: int
+    memory: str
+    done: bool
+    answer: str | None
+    raw_response: str | None
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    run_id: str
+    attempt: int
+    source_uri: str
+    stage: str  # "read", "parse", "segment", "memory"
+    error_type: str
+    message: str
+    doc_id: str | None = None
+    name: str | None = None
+
+
+class StateStore:
+    """Checkpoints and run membership in one database. Picklable: each process opens its own
+    connection pool on first use."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            parsed = make_url(url)
+        except (ArgumentError, ValueError):
+            raise StateStoreError(
+                f"cannot parse the state store URL {url!r}: write it as sqlite:///path/state.db "
+                "or postgresql+psycopg://user:password@host:port/db"
+            ) from None
+        if parsed.get_backend_name() not in SUPPORTED_DIALECTS:
+            raise StateStoreError(
+                f"state store {parsed.get_backend_name()!r} is not supported: use SQLite or "
+                "PostgreSQL"
+            )
+        if parsed.drivername in ("postgresql", "postgres"):
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        self.url = parsed.render_as_string(hide_password=False)
+        self.safe_url = parsed.render_as_string(hide_password=True)
+        self._engine: Engine | None = None
+
+    def __repr__(self) -> str:
+        return f"StateStore({self.safe_url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_engine": None}
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = _open_engine(self.url)
+        return self._engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+    # --- setup ----------------------------------------------------------------------------
+
+    def create(self) -> None:
+        """Creates the tables when missing; raises StateStoreError when the database is
+        unreachable or refuses writes."""
+        try:
+            metadata.create_all(self.engine)
+        except SQLAlchemyError as error:
+            raise StateStoreError(f"state store {self.safe_url}: {_first_line(error)}") from None
+
+    def begin_run(self, run_id: str, summary: Mapping[str, Any]) -> int:
+        """Registers an attempt of the run and returns its number (1 for a new run)."""
+        now = time.time()
+        with self._transaction() as connection:
+            found = connection.execute(
+                select(runs.c.attempt).where(runs.c.run_id == run_id)
+            ).scalar_one_or_none()
+            attempt = 1 if found is None else found + 1
+            _upsert(
+                connection,
+                runs,
+                {
+                    "run_id": run_id,
+                    "attempt": attempt,
+                    "status": RUNNING,
+                    "summary": json.dumps(summary, sort_keys=True, default=str),
+                    "created_at": now,
+                    "started_at": now,
+                    "finished_at": None,
+                },
+                keys=["run_id"],
+                update=["attempt", "status", "summary", "started_at", "finished_at"],
+            )
+        return attempt
+
+    def finish_run(self, run_id: str, status: str) -> None:
+        with self._transaction() as connection:
+            connection.execute(
+                update(runs)
+                .where(runs.c.run_id == run_id)
+                .values(status=status, finished_at=time.time())
+            )
+
+    # --- planning (segment stage) ---------------------------------------------------------
+
+    def plan_document(
+        self,
+        document: DocumentRecord,
+        planned: Sequence[PlannedChain],
+    ) -> dict[str, str]:
+        """Records the document and its chains for the run; chains seen before keep their
+        progress. Returns each chain's status."""
+        now = time.time()
+        with self._transaction() as connection:
+            _upsert(
+                connection,
+                documents,
+                _document_row(document, now),
+                keys=["run_id", "source_uri"],
+                update=[
+                    c.name for c in documents.columns if c.name not in ("run_id", "source_uri")
+                ],
+            )
+            for chain in planned:
+                _upsert(
+                    connection,
+                    chains,
+                    {
+                        "chain_key": chain.chain_key,
+                        "run_id": document.run_id,
+                        "doc_id": document.doc_id,
+                        "source_uri": document.source_uri,
+                        "question_id": chain.question_id,
+                        "question": chain.question,
+                        "status": PENDING,
+                        "step": 0,
+                        "n_segments": document.n_segments or 0,
+                        "n_tokens": document.n_tokens or 0,
+                        "prompt_tokens": 0,
+                        "completion_tokens": 0,
+                        "compute_s": 0.0,
+                        "created_at": now,
+                        "updated_at": now,
+                    },
+                    keys=["chain_key"],
+                    update=["run_id", "doc_id", "source_uri", "question_id", "question"],
+                )
+                _upsert(
+                    connection,
+                    run_chains,
+                    {
+                        "run_id": document.run_id,
+                        "source_uri": document.source_uri,
+                        "question_id": chain.question_id,
+                        "attempt": document.attempt,
+                        "chain_key": chain.chain_key,
+                        "question": chain.question,
+                        "updated_at": now,
+                    },
+                    keys=["run_id", "source_uri", "question_id"],
+                    update=["attempt", "chain_key", "question", "updated_at"],
+                )
+            return _statuses(connection, [chain.chain_key for chain in planned])
+
+    def chain_statuses(self, chain_keys: Sequence[str]) -> dict[str, str]:
+        """The status of each chain the store knows."""
+        with self._transaction() as connection:
+            return _statuses(connection, chain_keys)
+
+    def record_error(self, error: ErrorRecord) -> None:
+        row = {**asdict(error), "created_at": time.time()}
+        with self._transaction() as connection:
+            _upsert(
+                connection,
+                errors,
+                row,
+                keys=["run_id", "source_uri", "stage"],
+                update=[name for name in row if name not in ("run_id", "source_uri", "stage")],
+            )
+
+    # --- checkpoints (memory stage) -------------------------------------------------------
+
+    def load_checkpoint(self, chain_key: str) -> Checkpoint | None:
+        with self._transaction() as connection:
+            row = connection.execute(
+                select(chains.c.status, chains.c.step, chains.c.memory).where(
+                    chains.c.chain_key == chain_key
+                )
+            ).first()
+        return None if row is None else Checkpoint(row.status, row.step, row.memory)
+
+    def mark_running(self, chain_key: str, run_id: str) -> None:
+        now = time.time()
+        with self._transaction() as connection:
+            connection.execute(
+                update(chains)
+                .where(chains.c.chain_key == chain_key)
+                .values(
+                    status=RUNNING,
+                    run_id=run_id,
+                    error=None,
+                    updated_at=now,
+                    started_at=func.coalesce(chains.c.started_at, now),
+                )
+            )
+
+    def record_step(self, checkpoint: StepCheckpoint) -> None:
+        """Writes one step and advances its chain, atomically."""
+        now = time.time()
+        step_row = {
+            "chain_key": checkpoint.chain_key,
+            "step": checkpoint.step,
+            "kind": checkpoint.kind,
+            "segment_index": checkpoint.segment_index,
+            "token_start": checkpoint.token_start,
+            "token_end": checkpoint.token_end,
+            "char_start": checkpoint.char_start,
+            "char_end": checkpoint.char_end,
+            "memory_after": checkpoint.memory_after,
+            "prompt_tokens": checkpoint.prompt_tokens,
+            "completion_tokens": checkpoint.completion_tokens,
+            "finish_reason": checkpoint.finish_reason,
+            "latency_s": checkpoint.latency_s,
+            "created_at": now,
+        }
+        of_chain = steps.c.chain_key == checkpoint.chain_key
+        chain_values: dict[str, Any] = {
+            "step": checkpoint.next_step,
+            "memory": checkpoint.memory,
+            "status": DONE if checkpoint.done else RUNNING,
+            "updated_at": now,
+            "prompt_tokens": select(func.sum(steps.c.prompt_tokens))
+            .where(of_chain)
+            .scalar_subquery(),
+            "completion_tokens": select(func.sum(steps.c.completion_tokens))
+            .where(of_chain)
+            .scalar_subquery(),
+            "compute_s": select(func.sum(steps.c.latency_s)).where(of_chain).scalar_subquery(),
+        }
+        if checkpoint.done:
+            chain_values |= {
+                "answer": checkpoint.answer,
+                "raw_response": checkpoint.raw_response,
+                "finished_at": now,
+                "error": None,
+            }
+        with self._transaction() as connection:
+            _upsert(
+                connection,
+                steps,
+                step_row,
+                keys=["chain_key", "step"],
+                update=[name for name in step_row if name not in ("chain_key", "step")],
+            )
+            connection.execute(
+                update(chains)
+                .where(chains.c.chain_key == checkpoint.chain_key)
+                .values(chain_values)
+            )
+
+    def mark_failed(self, chain_key: str, error: str) -> None:
+        now = time.time()
+        with self._transaction() as connection:
+            connection.execute(
+                update(chains)
+                .where(and_(chains.c.chain_key == chain_key, chains.c.status != DONE))
+                .values(status=FAILED, error=error, updated_at=now, finished_at=now)
+            )
+
+    # --- reading a run back (export) ------------------------------------------------------
+
+    def answers(self, run_id: str, attempt: int) -> Iterator[dict[str, Any]]:
+        """One row per (document, question) of the run's attempt."""
+        query = (
+            select(
+                run_chains.c.run_id,
+                documents.c.doc_id,
+                documents.c.name,
+                run_chains.c.source_uri,
+                documents.c.content_sha256,
+                documents.c.parser,
+                documents.c.pages,
+                documents.c.warnings,
+                run_chains.c.question_id,
+                run_chains.c.question,
+                run_chains.c.chain_key,
+                chains.c.status,
+                chains.c.answer,
+                chains.c.raw_response,
+                chains.c.memory.label("final_memory"),
+                chains.c.step.label("steps_done"),
+                chains.c.n_segments,
+                chains.c.n_tokens,
+                chains.c.prompt_tokens,
+                chains.c.completion_tokens,
+                chains.c.compute_s,
+                chains.c.started_at,
+                chains.c.finished_at,
+                chains.c.error,
+            )
+            .select_from(
+                run_chains.join(chains, chains.c.chain_key == run_chains.c.chain_key).join(
+                    documents,
+                    and_(
+                        documents.c.run_id == run_chains.c.run_id,
+                        documents.c.source_uri == run_chains.c.source_uri,
+                    ),
+                )
+            )
+            .where(and_(run_chains.c.run_id == run_id, run_chains.c.attempt == attempt))
+            .order_by(run_chains.c.source_uri, run_chains.c.question_id)
+        )
+        return self._stream(query)
+
+    def trajectory(self, run_id: str, attempt: int) -> Iterator[dict[str, Any]]:
+        """One row per memory update (and final answer) of every chain of the run's attempt."""
+        query = (
+            select(
+                run_chains.c.run_id,
+                run_chains.c.chain_key,
+                documents.c.doc_id,
+                run_chains.c.source_uri,
+                run_chains.c.question_id,
+                steps.c.step,
+                steps.c.kind,
+                steps.c.segment_index,
+                steps.c.token_start,
+                steps.c.token_end,
+                steps.c.char_start,
+                steps.c.char_end,
+                steps.c.memory_after,
+                steps.c.prompt_tokens,
+                steps.c.completion_tokens,
+                steps.c.finish_reason,
+                steps.c.latency_s,
+            )
+            .select_from(
+                run_chains.join(steps, steps.c.chain_key == run_chains.c.chain_key).join(
+                    documents,
+                    and_(
+                        documents.c.run_id == run_chains.c.run_id,
+                        documents.c.source_uri == run_chains.c.source_uri,
+                    ),
+                )
+            )
+            .where(and_(run_chains.c.run_id == run_id, run_chains.c.attempt == attempt))
+            .order_by(run_chains.c.source_uri, run_chains.c.question_id, steps.c.step)
+        )
+        return self._stream(query)
+
+    def errors(self, run_id: str, attempt: int) -> Iterator[dict[str, Any]]:
+        query = (
+            select(
+                errors.c.run_id,
+                errors.c.doc_id,
+                errors.c.name,
+                errors.c.source_uri,
+                errors.c.stage,
+                errors.c.error_type,
+                errors.c.message,
+            )
+            .where(and_(errors.c.run_id == run_id, errors.c.attempt == attempt))
+            .order_by(errors.c.source_uri, errors.c.stage)
+        )
+        return self._stream(query)
+
+    def chain_status_counts(self, run_id: str, attempt: int) -> dict[str, int]:
+        query = (
+            select(chains.c.status, func.count())
+            .select_from(run_chains.join(chains, chains.c.chain_key == run_chains.c.chain_key))
+            .where(and_(run_chains.c.run_id == run_id, run_chains.c.attempt == attempt))
+            .group_by(chains.c.status)
+        )
+        with self._transaction() as connection:
+            return {status: count for status, count in connection.execute(query)}
+
+    def document_counts(self, run_id: str, attempt: int) -> tuple[int, int]:
+        """(documents with answers rows, documents with error rows) of the run's attempt."""
+        answered = select(func.count(func.distinct(run_chains.c.source_uri))).where(
+            and_(run_chains.c.run_id == run_id, run_chains.c.attempt == attempt)
+        )
+        failed = select(func.count(func.distinct(errors.c.source_uri))).where(
+            and_(errors.c.run_id == run_id, errors.c.attempt == attempt)
+        )
+        with self._transaction() as connection:
+            return connection.execute(answered).scalar_one(), connection.execute(
+                failed
+            ).scalar_one()
+
+    def busy_window(self, run_id: str, attempt: int, since: float) -> float:
+        """Seconds from the start of the first model call to the end of the last one among
+        the steps the run's attempt wrote after `since` (0 when it wrote none)."""
+        query = (
+            select(func.min(steps.c.created_at - steps.c.latency_s), func.max(steps.c.created_at))
+            .select_from(run_chains.join(steps, steps.c.chain_key == run_chains.c.chain_key))
+            .where(
+                and_(
+                    run_chains.c.run_id == run_id,
+                    run_chains.c.attempt == attempt,
+                    steps.c.created_at >= since,
+                )
+            )
+        )
+        with self._transaction() as connection:
+            first, last = connection.execute(query).one()
+        return 0.0 if first is None else last - first
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _transaction(self):  # type: ignore[no-untyped-def]
+        try:
+            return self.engine.begin()
+        except SQLAlchemyError as error:
+            raise StateStoreError(f"state store {self.safe_url}: {_first_line(error)}") from None
+
+    def _stream(self, query: Any, batch_size: int = 1000) -> Iterator[dict[str, Any]]:
+        with self.engine.connect() as connection:
+            result = connection.execution_options(yield_per=batch_size).execute(query)
+            for row in result:
+                yield dict(row._mapping)
+
+
+def _statuses(connection: Connection, chain_keys: Sequence[str]) -> dict[str, str]:
+    if not chain_keys:
+        return {}
+    found = connection.execute(
+        select(chains.c.chain_key, chains.c.status).where(chains.c.chain_key.in_(chain_keys))
+    )
+    return {key: status for key, status in found}
+
+
+def _document_row(document: DocumentRecord, now: float) -> dict[str, Any]:
+    row = asdict(document)
+    row["warnings"] = json.dumps(list(document.warnings))
+    row["metadata"] = json.dumps(dict(document.metadata), sort_keys=True, default=str)
+    row["updated_at"] = now
+    return row
+
+
+def _open_engine(url: str) -> Engine:
+    if make_url(url).get_backend_name() != "sqlite":
+        return create_engine(url, pool_size=2, max_overflow=4, pool_pre_ping=True)
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+
+    # Several Ray workers write one SQLite file: WAL lets readers run beside the writer, and
+    # BEGIN IMMEDIATE takes the write lock up front, so a transaction waits for it (busy timeout)
+    # instead of failing when another writer committed after it started reading.
+    @event.listens_for(engine, "connect")
+    def configure(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def begin_immediate(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _upsert(
+    connection: Connection,
+    table: Table,
+    values: Mapping[str, Any],
+    *,
+    keys: Sequence[str],
+    update: Sequence[str],
+) -> None:
+    if connection.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    statement = insert(table).values(**values)
+    if update:
+        statement = statement.on_conflict_do_update(
+            index_elements=list(keys), set_={name: statement.excluded[name] for name in update}
+        )
+    else:
+        statement = statement.on_conflict_do_nothing(index_elements=list(keys))
+    connection.execute(statement)
+
+
+def _first_line(error: Exception) -> str:
+    reason = str(getattr(error, "orig", None) or error).strip()
+    return reason.splitlines()[0] if reason else type(error).__name__

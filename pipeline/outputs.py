@@ -1,0 +1,233 @@
+"""The run's results as Parquet tables and a manifest, exported from the state store.
+
+Under `<output>/<run_id>/`: `answers.parquet` (one row per document and question),
+`trajectory.parquet` (one row per model call), `errors.parquet` (one row per document that could
+not be read, parsed or segmented) and `manifest.json`. The state store is the truth; an export
+rewrites the files whole, so a rerun replaces them instead of adding to them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from itertools import islice
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from connectors.state_store import StateStore
+
+from .config import MethodConfig
+
+ROWS_PER_BATCH = 1000
+TIMESTAMP = pa.timestamp("ms", tz="UTC")
+
+ANSWERS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("doc_id", pa.string()),
+        ("name", pa.string()),
+        ("source_uri", pa.string()),
+        ("question_id", pa.string()),
+        ("question", pa.string()),
+        ("answer", pa.string()),
+        ("raw_response", pa.string()),
+        ("final_memory", pa.string()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("n_segments", pa.int64()),
+        ("n_tokens", pa.int64()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("model", pa.string()),
+        ("engine", pa.string()),
+        ("template", pa.string()),
+        ("chunk_size", pa.int64()),
+        (
+            "sampling",
+            pa.struct(
+                [("temperature", pa.float64()), ("top_p", pa.float64()), ("seed", pa.int64())]
+            ),
+        ),
+        (
+            "timings",
+            pa.struct(
+                [
+                    ("started_at", TIMESTAMP),
+                    ("finished_at", TIMESTAMP),
+                    ("wall_s", pa.float64()),
+                    ("compute_s", pa.float64()),
+                ]
+            ),
+        ),
+        ("parser", pa.string()),
+        ("parse_warnings", pa.list_(pa.string())),
+        ("content_sha256", pa.string()),
+        ("chain_key", pa.string()),
+    ]
+)
+
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("chain_key", pa.string()),
+        ("doc_id", pa.string()),
+        ("source_uri", pa.string()),
+        ("question_id", pa.string()),
+        ("step", pa.int64()),
+        ("kind", pa.string()),  # "update" or "final"
+        ("segment_index", pa.int64()),
+        ("token_start", pa.int64()),
+        ("token_end", pa.int64()),
+        ("char_start", pa.int64()),
+        ("char_end", pa.int64()),
+        ("memory_after", pa.string()),  # the raw response on the final step
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("finish_reason", pa.string()),
+        ("latency_s", pa.float64()),
+    ]
+)
+
+ERRORS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("doc_id", pa.string()),
+        ("name", pa.string()),
+        ("source_uri", pa.string()),
+        ("stage", pa.string()),
+        ("error_type", pa.string()),
+        ("message", pa.string()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What every answers row says about how it was made."""
+
+    run_id: str
+    attempt: int
+    model: str
+    engine: str
+    method: MethodConfig
+
+
+@dataclass(frozen=True)
+class ExportedTable:
+    name: str
+    uri: str
+    rows: int
+
+
+class ResultWriter:
+    """Writes a run's tables and manifest under `<base>/<run_id>/` on a pyarrow filesystem."""
+
+    def __init__(self, filesystem: pafs.FileSystem, base: str, run_id: str) -> None:
+        self.filesystem = filesystem
+        self.folder = f"{base}/{run_id}"
+        self._is_local = isinstance(filesystem, pafs.LocalFileSystem)
+
+    def uri(self, file_name: str) -> str:
+        path = f"{self.folder}/{file_name}"
+        return path if self._is_local else f"s3://{path}"
+
+    def export_tables(self, store: StateStore, run: RunIdentity) -> dict[str, ExportedTable]:
+        if self._is_local:
+            self.filesystem.create_dir(self.folder, recursive=True)
+        tables = {
+            "answers": (
+                ANSWERS_SCHEMA,
+                (answer_row(row, run) for row in store.answers(run.run_id, run.attempt)),
+            ),
+            "trajectory": (TRAJECTORY_SCHEMA, store.trajectory(run.run_id, run.attempt)),
+            "errors": (ERRORS_SCHEMA, store.errors(run.run_id, run.attempt)),
+        }
+        return {
+            name: ExportedTable(name, self.uri(f"{name}.parquet"), self._write(name, *table))
+            for name, table in tables.items()
+        }
+
+    def write_manifest(self, manifest: Mapping[str, Any]) -> str:
+        text = json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n"
+        self._replace("manifest.json", lambda path: self._write_bytes(path, text.encode()))
+        return self.uri("manifest.json")
+
+    def _write(self, name: str, schema: pa.Schema, rows: Iterable[dict[str, Any]]) -> int:
+        written = 0
+
+        def write(path: str) -> None:
+            nonlocal written
+            with pq.ParquetWriter(path, schema, filesystem=self.filesystem) as writer:
+                for batch in _batches(rows):
+                    writer.write_batch(pa.RecordBatch.from_pylist(batch, schema=schema))
+                    written += len(batch)
+
+        self._replace(f"{name}.parquet", write)
+        return written
+
+    def _replace(self, file_name: str, write: Callable[[str], None]) -> None:
+        """Local files are written beside and moved into place; an S3 object appears whole
+        when its upload completes."""
+        target = f"{self.folder}/{file_name}"
+        if not self._is_local:
+            write(target)
+            return
+        partial = f"{target}.partial"
+        write(partial)
+        self.filesystem.move(partial, target)
+
+    def _write_bytes(self, path: str, data: bytes) -> None:
+        with self.filesystem.open_output_stream(path) as stream:
+            stream.write(data)
+
+
+def answer_row(row: Mapping[str, Any], run: RunIdentity) -> dict[str, Any]:
+    method = run.method
+    started, finished = row["started_at"], row["finished_at"]
+    return {
+        "run_id": row["run_id"],
+        "doc_id": row["doc_id"],
+        "name": row["name"],
+        "source_uri": row["source_uri"],
+        "question_id": row["question_id"],
+        "question": row["question"],
+        "answer": row["answer"],
+        "raw_response": row["raw_response"],
+        "final_memory": row["final_memory"],
+        "status": row["status"],
+        "error": row["error"],
+        "n_segments": row["n_segments"],
+        "n_tokens": row["n_tokens"],
+        "prompt_tokens": row["prompt_tokens"],
+        "completion_tokens": row["completion_tokens"],
+        "model": run.model,
+        "engine": run.engine,
+        "template": method.template,
+        "chunk_size": method.chunk_size,
+        "sampling": {"temperature": method.temperature, "top_p": method.top_p, "seed": method.seed},
+        "timings": {
+            "started_at": _timestamp(started),
+            "finished_at": _timestamp(finished),
+            "wall_s": finished - started if started is not None and finished is not None else None,
+            "compute_s": row["compute_s"],
+        },
+        "parser": row["parser"],
+        "parse_warnings": json.loads(row["warnings"] or "[]"),
+        "content_sha256": row["content_sha256"],
+        "chain_key": row["chain_key"],
+    }
+
+
+def _timestamp(seconds: float | None) -> datetime | None:
+    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc)
+
+
+def _batches(rows: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    iterator = iter(rows)
+    while batch := list(islice(iterator, ROWS_PER_BATCH)):
+        yield batch

@@ -1,0 +1,158 @@
+"""`memstream run`: the corpus job from a YAML file, from flags, or both (flags win)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .job import JobSpec, RunSummary, load_job_spec, run_job
+
+EXIT_PARTIAL_FAILURE = 1
+
+# flag destination -> (section of the job spec or None for the top level, key in it)
+FLAG_KEYS: dict[str, tuple[str | None, str]] = {
+    "inputs": (None, "sources"),
+    "questions": (None, "questions"),
+    "questions_file": (None, "questions_file"),
+    "state_store": (None, "state_store"),
+    "run_id": (None, "run_id"),
+    "ray_address": (None, "ray_address"),
+    "output": ("output", "uri"),
+    "s3_endpoint_url": ("output", "s3_endpoint_url"),
+    "engine": ("engine", "kind"),
+    "model": ("engine", "model"),
+    "base_url": ("engine", "base_url"),
+    "served_model": ("engine", "served_model"),
+    "tokenizer": ("engine", "tokenizer"),
+    "max_model_len": ("engine", "max_model_len"),
+    "enforce_eager": ("engine", "enforce_eager"),
+    "kv_cache_gib": ("engine", "cpu_kvcache_space_gib"),
+    "chunk_size": ("method", "chunk_size"),
+    "snap_window": ("method", "snap_window"),
+    "max_memory_tokens": ("method", "max_memory_tokens"),
+    "max_answer_tokens": ("method", "max_answer_tokens"),
+    "template": ("method", "template"),
+    "temperature": ("method", "temperature"),
+    "top_p": ("method", "top_p"),
+    "seed": ("method", "seed"),
+    "actors": ("concurrency", "actors"),
+    "max_active_chains": ("concurrency", "max_active_chains"),
+    "batches_in_flight": ("concurrency", "batches_in_flight"),
+    "batch_size": ("concurrency", "batch_size"),
+    "num_gpus": ("concurrency", "num_gpus"),
+}
+
+
+def register(subparsers: Any) -> None:
+    """Adds `run` to the `memstream` subcommands."""
+    from .cli import positive_int
+
+    run = subparsers.add_parser(
+        "run",
+        help="answer questions about a whole corpus on Ray Data; resumable",
+        description=(
+            "Run a corpus job: read every document of the sources, answer every question about "
+            "each, and write answers, trajectories and errors as Parquet under OUTPUT/RUN_ID/. "
+            "Rerunning the same job resumes it."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    run.add_argument("job", nargs="?", metavar="JOB.yaml", help="a job file (see examples/)")
+    inputs = run.add_argument_group("inputs and outputs (override the job file)")
+    inputs.add_argument(
+        "--input", action="append", dest="inputs", metavar="URI",
+        help="a path, glob, folder or s3://bucket/prefix; repeat for more",
+    )  # fmt: skip
+    inputs.add_argument("-q", "--question", action="append", dest="questions", metavar="Q")
+    inputs.add_argument("--questions", dest="questions_file", metavar="FILE")
+    inputs.add_argument("--output", metavar="URI", help="a local folder or s3://bucket/prefix")
+    inputs.add_argument("--s3-endpoint-url", metavar="URL")
+    inputs.add_argument("--state-store", metavar="URL", help="SQLAlchemy URL of the checkpoints")
+    inputs.add_argument("--run-id")
+    inputs.add_argument("--ray-address", metavar="ADDRESS")
+    engine = run.add_argument_group("engine")
+    engine.add_argument("--model")
+    engine.add_argument("--engine", choices=["vllm", "openai"])
+    engine.add_argument("--base-url")
+    engine.add_argument("--served-model")
+    engine.add_argument("--tokenizer")
+    engine.add_argument("--max-model-len", type=positive_int)
+    engine.add_argument("--enforce-eager", action="store_const", const=True)
+    engine.add_argument("--kv-cache-gib", type=positive_int)
+    method = run.add_argument_group("method")
+    method.add_argument("--chunk-size", type=positive_int)
+    method.add_argument("--snap-window", type=int)
+    method.add_argument("--max-memory-tokens", type=positive_int)
+    method.add_argument("--max-answer-tokens", type=positive_int)
+    method.add_argument("--template")
+    method.add_argument("--temperature", type=float)
+    method.add_argument("--top-p", type=float)
+    method.add_argument("--seed", type=int)
+    concurrency = run.add_argument_group("concurrency")
+    concurrency.add_argument("--actors", type=positive_int, help="engines (one per actor)")
+    concurrency.add_argument("--max-active-chains", type=positive_int, help="per actor")
+    concurrency.add_argument("--batches-in-flight", type=positive_int, help="per actor")
+    concurrency.add_argument("--batch-size", type=positive_int, help="documents per batch")
+    concurrency.add_argument("--num-gpus", type=float, help="per actor")
+    run.set_defaults(handler=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    spec = spec_from_arguments(args)
+    summary = run_job(spec)
+    Console().print(summary_table(summary))
+    return 0 if summary.ok else EXIT_PARTIAL_FAILURE
+
+
+def spec_from_arguments(args: argparse.Namespace) -> JobSpec:
+    from .cli import UserError
+
+    overrides: dict[str, Any] = {}
+    for destination, (section, key) in FLAG_KEYS.items():
+        if hasattr(args, destination):
+            value = getattr(args, destination)
+            target = overrides.setdefault(section, {}) if section else overrides
+            target[key] = value
+    job = getattr(args, "job", None)
+    if job is not None:
+        return load_job_spec(job, overrides)
+    if "sources" not in overrides or "output" not in overrides:
+        raise UserError("give a job file, or --input URI and --output URI (see memstream run -h)")
+    return JobSpec.from_dict(overrides, "command line")
+
+
+def summary_table(summary: RunSummary) -> Table:
+    table = Table(title=f"memstream run {summary.run_id} (attempt {summary.attempt})")
+    table.add_column("", style="bold")
+    table.add_column("", justify="right")
+    rows = [
+        ("documents", f"{summary.documents:,}"),
+        ("  answered", f"{summary.documents_answered:,}"),
+        ("  failed (see errors)", f"{summary.documents_failed:,}"),
+        ("chains (document x question)", f"{summary.chains:,}"),
+        ("  done", f"{summary.chains_done:,}"),
+        ("  failed", f"{summary.chains_failed:,}"),
+        ("  resumed from a checkpoint", f"{summary.chains_resumed:,}"),
+        ("  answered by an earlier attempt", f"{summary.chains_skipped:,}"),
+        (
+            "tokens (prompt + completion)",
+            f"{summary.prompt_tokens:,} + {summary.completion_tokens:,}",
+        ),
+        (
+            "throughput while answering",
+            f"{summary.busy_tokens_per_s:,.0f} tokens/s, {summary.busy_chains_per_s:.3f} chains/s",
+        ),
+        (
+            "throughput end to end",
+            f"{summary.tokens_per_s:,.0f} tokens/s, {summary.chains_per_s:.3f} chains/s",
+        ),
+        ("elapsed", f"{summary.elapsed_s:,.1f} s ({summary.busy_s:,.1f} s answering)"),
+        *((name, uri) for name, uri in summary.outputs.items()),
+        ("state store", summary.state_store),
+    ]
+    for label, value in rows:
+        table.add_row(label, value)
+    return table

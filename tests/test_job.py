@@ -1,0 +1,612 @@
+"""The Ray Data job end to end, on real parts: real files from the corpora, a real S3 server,
+PostgreSQL and SQLite, the real vLLM engine on the small test model, and a real kill -9.
+
+Engine settings are tiny (documents of a few hundred tokens, 512-token chunks, 24-token
+memories) so the whole file runs in minutes on two cores; the engine tests share one Ray session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import duckdb
+import pandas as pd
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+import sqlalchemy as sa
+import yaml
+
+from connectors.state_store import (
+    DocumentRecord,
+    PlannedChain,
+    StateStore,
+    StepCheckpoint,
+)
+from pipeline.job import JobError, JobSpec, derive_run_id, load_job_spec, plan_job, run_job
+from pipeline.outputs import ResultWriter, RunIdentity
+from pipeline.run_command import spec_from_arguments
+from pipeline.stages import Question
+from tests.conftest import TEST_MODEL
+
+if TYPE_CHECKING:
+    from tests.services import S3Server
+
+pytest_plugins = ["tests.services"]
+
+ENGINE = {
+    "model": TEST_MODEL,
+    "max_model_len": 2048,
+    "enforce_eager": True,
+    "cpu_kvcache_space_gib": 1,
+}
+METHOD = {"chunk_size": 512, "max_memory_tokens": 24, "max_answer_tokens": 24}
+QUESTION = "What is this document about?"
+# Ray runs its workers at nice 15: on a shared machine the engine would starve behind anything
+# else that runs, and the tests' timeouts would measure the neighbours.
+WORKER_NICENESS = ("RAY_worker_niceness", "0")
+BAD_PDF_REASONS = {
+    "encrypted-userpw-openpassword.pdf": "password required",
+    "encrypted-aes256-userpw-baz.pdf": "password required",
+    "broken-invalid-pages-unreadablemetadata.pdf": "damaged PDF",
+    "scanned-image-only-grumman-1974.pdf": "no text layer",
+}
+
+
+def job(**fields: Any) -> JobSpec:
+    return JobSpec.from_dict({"engine": ENGINE, "method": METHOD, **fields})
+
+
+def excerpt_of_text(corpora: Path, chars: int) -> str:
+    return (corpora / "text" / "rfc2616-http-1.1.txt").read_text()[:chars]
+
+
+def excerpt_of_log(corpora: Path, lines: int) -> str:
+    with (corpora / "logs" / "Apache" / "Apache_2k.log").open() as log:
+        return "".join(log.readline() for _ in range(lines))
+
+
+def one_page_pdf(corpora: Path) -> bytes:
+    """Page 2 of a real contract, as a PDF of its own."""
+    from pypdf import PdfReader, PdfWriter
+
+    contract = next((corpora / "pdfs" / "contracts").glob("Photronics*.pdf"))
+    writer = PdfWriter()
+    writer.add_page(PdfReader(contract).pages[1])
+    buffer = io.BytesIO()
+    writer.write(buffer)
+    return buffer.getvalue()
+
+
+# --- the spec, without an engine -------------------------------------------------------------
+
+
+def test_spec_errors_name_the_key_and_what_is_allowed() -> None:
+    with pytest.raises(JobError, match=r"unknown key 'modle' in engine \(allowed: kind, model"):
+        JobSpec.from_dict({"sources": ["a"], "output": "o", "engine": {"modle": "x"}})
+    with pytest.raises(JobError, match=r"unknown key 'question' \(allowed: sources, output"):
+        JobSpec.from_dict({"sources": ["a"], "output": "o", "question": "Q?"})
+    with pytest.raises(JobError, match=r"method\.chunk_size: Input should be a valid integer"):
+        JobSpec.from_dict({"sources": ["a"], "output": "o", "method": {"chunk_size": "big"}})
+    with pytest.raises(JobError, match="concurrency: actors must be at least 1"):
+        JobSpec.from_dict({"sources": ["a"], "output": "o", "concurrency": {"actors": 0}})
+    with pytest.raises(JobError, match="output is required"):
+        JobSpec.from_dict({"sources": ["a"]})
+    spec = JobSpec.from_dict({"sources": "docs", "output": "o", "questions": "Why?"})
+    assert spec.sources == ("docs",) and spec.questions == ("Why?",)
+
+
+def test_yaml_paths_are_relative_to_the_file_and_flags_win(tmp_path: Path) -> None:
+    (tmp_path / "questions.txt").write_text("Who signed it?\nWhen?\n")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(
+        yaml.safe_dump(
+            {
+                "sources": ["docs", "s3://bucket/prefix", {"type": "local", "path": "more"}],
+                "questions_file": "questions.txt",
+                "schema": {"party": "Who is the other party?"},
+                "output": "out",
+                "engine": {"model": "m1", "enforce_eager": True},
+                "method": {"chunk_size": 1000},
+            }
+        )
+    )
+    spec = load_job_spec(job_file)
+    assert spec.sources == (
+        str(tmp_path / "docs"),
+        "s3://bucket/prefix",
+        {"type": "local", "path": str(tmp_path / "more")},
+    )
+    assert spec.output.uri == str(tmp_path / "out")
+    from pipeline.job import resolve_questions
+
+    assert resolve_questions(spec) == (
+        Question("q0", "Who signed it?"),
+        Question("q1", "When?"),
+        Question("party", "Who is the other party?"),
+    )
+
+    import argparse
+
+    from pipeline.run_command import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    arguments = parser.parse_args(
+        ["run", str(job_file), "--model", "m2", "--chunk-size", "300", "--actors", "2"]
+    )
+    overridden = spec_from_arguments(arguments)
+    assert overridden.engine.model == "m2" and overridden.engine.enforce_eager
+    assert overridden.method.chunk_size == 300 and overridden.concurrency.actors == 2
+    flags_only = parser.parse_args(["run", "--input", "a", "--input", "b", "-q", "Q?"])
+    with pytest.raises(Exception, match="--output"):
+        spec_from_arguments(flags_only)
+
+
+def test_the_example_job_is_valid() -> None:
+    spec = load_job_spec(Path(__file__).resolve().parents[1] / "examples" / "job.yaml")
+    assert spec.questions and spec.concurrency.actors == 1
+
+
+def test_summary_table_shows_counts_throughput_and_outputs() -> None:
+    from rich.console import Console
+
+    from pipeline.job import RunSummary
+    from pipeline.run_command import summary_table
+
+    summary = RunSummary(
+        run_id="run-x",
+        attempt=2,
+        documents=8,
+        documents_answered=5,
+        documents_failed=3,
+        chains=10,
+        chains_done=9,
+        chains_failed=1,
+        chains_resumed=2,
+        chains_skipped=4,
+        errors=3,
+        prompt_tokens=9000,
+        completion_tokens=1000,
+        elapsed_s=100.0,
+        busy_s=50.0,
+        outputs={"answers": "/out/run-x/answers.parquet"},
+        state_store="sqlite:////out/memstream-state.sqlite",
+    )
+    console = Console(record=True, width=120)
+    console.print(summary_table(summary))
+    text = console.export_text()
+    assert "run-x (attempt 2)" in text and "/out/run-x/answers.parquet" in text
+    assert "200 tokens/s, 0.100 chains/s" in text  # 10,000 tokens, 5 chains in 50 s
+    assert not summary.ok
+
+
+def test_run_id_is_stable_and_follows_what_changes_the_answers() -> None:
+    spec = job(sources=["docs"], output="out", questions=[QUESTION])
+    questions = (Question("q0", QUESTION),)
+    run_id = derive_run_id(spec, questions)
+    assert run_id == derive_run_id(
+        job(sources=["docs"], output="out", questions=[QUESTION]), questions
+    )
+    more_actors = job(sources=["docs"], output="out", concurrency={"actors": 3})
+    assert derive_run_id(more_actors, questions) == run_id
+    other_method = job(sources=["docs"], output="out", method={**METHOD, "chunk_size": 256})
+    assert derive_run_id(other_method, questions) != run_id
+    assert derive_run_id(spec, (Question("q0", "Other?"),)) != run_id
+
+
+def test_unreadable_sources_and_outputs_fail_before_anything_runs(tmp_path: Path) -> None:
+    with pytest.raises(JobError, match="no input files"):
+        plan_job(job(sources=[str(tmp_path / "missing")], output=str(tmp_path / "out")))
+    with pytest.raises(JobError, match="unknown source type"):
+        plan_job(job(sources=[{"type": "ftp"}], output=str(tmp_path / "out")))
+    (tmp_path / "doc.txt").write_text("text")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the output folder should be")
+    with pytest.raises(JobError, match="cannot write"):
+        plan_job(job(sources=[str(tmp_path / "doc.txt")], output=str(blocked)))
+
+
+def test_chunk_that_cannot_fit_the_model_fails_early(tmp_path: Path) -> None:
+    (tmp_path / "doc.txt").write_text("text")
+    spec = job(
+        sources=[str(tmp_path / "doc.txt")],
+        output=str(tmp_path / "out"),
+        questions=[QUESTION],
+        method={**METHOD, "chunk_size": 2000},
+    )
+    with pytest.raises(JobError, match=r"lower method\.chunk_size or raise engine\.max_model_len"):
+        plan_job(spec)
+
+
+# --- the state store, on SQLite and PostgreSQL ------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite_url", pytest.param("postgres_url", marks=pytest.mark.server)])
+def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
+    url = request.getfixturevalue(request.param)
+    if request.param == "postgres_url":  # one cluster per session: give each test a schema
+        schema = f"s{uuid.uuid4().hex[:10]}"
+        with sa.create_engine(url).begin() as connection:
+            connection.exec_driver_sql(f"CREATE SCHEMA {schema}")
+        url = f"{url}?options=-csearch_path%3D{schema}"
+    else:
+        url = url.replace("memstream.db", f"{uuid.uuid4().hex}.db")
+    store = StateStore(url)
+    store.create()
+    yield store
+    store.close()
+
+
+def document(run_id: str, attempt: int, uri: str) -> DocumentRecord:
+    return DocumentRecord(
+        run_id, attempt, uri, f"id-{uri}", uri, "sha", "text", None, [], {}, 100, 2
+    )
+
+
+def step(key: str, index: int, *, final: bool = False) -> StepCheckpoint:
+    return StepCheckpoint(
+        chain_key=key,
+        step=index,
+        kind="final" if final else "update",
+        segment_index=None if final else index,
+        token_start=None if final else index * 50,
+        token_end=None if final else index * 50 + 50,
+        char_start=None if final else index * 200,
+        char_end=None if final else index * 200 + 200,
+        memory_after=f"memory {index}",
+        prompt_tokens=100,
+        completion_tokens=10,
+        finish_reason="stop",
+        latency_s=0.5,
+        next_step=index + 1,
+        memory=f"memory {min(index, 1)}",
+        done=final,
+        answer="42" if final else None,
+        raw_response="Therefore, the answer is 42" if final else None,
+    )
+
+
+def test_store_checkpoints_resume_and_export_one_row_per_question(
+    store: StateStore, tmp_path: Path
+) -> None:
+    attempt = store.begin_run("run-a", {"what": "test"})
+    assert attempt == 1
+    chains = [PlannedChain("key-1", "q0", "Q1?"), PlannedChain("key-2", "q1", "Q2?")]
+    assert store.plan_document(document("run-a", 1, "file:///a"), chains) == {
+        "key-1": "pending",
+        "key-2": "pending",
+    }
+    store.mark_running("key-1", "run-a")
+    store.record_step(step("key-1", 0))
+    store.record_step(step("key-1", 1))
+    checkpoint = store.load_checkpoint("key-1")
+    assert (checkpoint.status, checkpoint.step, checkpoint.memory) == ("running", 2, "memory 1")
+
+    # a crash, then a rerun: a new attempt re-plans the same chains and keeps their progress
+    assert store.begin_run("run-a", {"what": "test"}) == 2
+    statuses = store.plan_document(document("run-a", 2, "file:///a"), chains)
+    assert statuses == {"key-1": "running", "key-2": "pending"}
+    store.record_step(step("key-1", 1))  # a step written twice stays one row
+    store.record_step(step("key-1", 2, final=True))
+    store.mark_failed("key-2", "EngineError: boom")
+    store.mark_failed("key-1", "too late: it is done")
+
+    answers = list(store.answers("run-a", 2))
+    assert [(a["question_id"], a["status"], a["answer"]) for a in answers] == [
+        ("q0", "done", "42"),
+        ("q1", "failed", None),
+    ]
+    assert answers[0]["prompt_tokens"] == 300 and answers[0]["compute_s"] == 1.5
+    assert [row["step"] for row in store.trajectory("run-a", 2)] == [0, 1, 2]
+    assert list(store.answers("run-a", 1)) == []  # the first attempt's rows moved on
+    assert store.chain_status_counts("run-a", 2) == {"done": 1, "failed": 1}
+    assert store.document_counts("run-a", 2) == (1, 0)
+    assert 0.5 <= store.busy_window("run-a", 2, since=0) < 60
+
+    filesystem, base = pafs.LocalFileSystem(), str(tmp_path / "out")
+    writer = ResultWriter(filesystem, base, "run-a")
+    from pipeline.config import MethodConfig
+
+    tables = writer.export_tables(store, RunIdentity("run-a", 2, "m", "vllm", MethodConfig()))
+    assert {name: table.rows for name, table in tables.items()} == {
+        "answers": 2,
+        "trajectory": 3,
+        "errors": 0,
+    }
+    frame = duckdb.sql(f"SELECT question_id, sampling.top_p FROM '{tables['answers'].uri}'").df()
+    assert frame.values.tolist() == [["q0", 1.0], ["q1", 1.0]]
+
+
+def test_sqlite_store_takes_concurrent_writers(sqlite_url: str) -> None:
+    url = sqlite_url.replace("memstream.db", "concurrent.db")
+    StateStore(url).create()
+    chains = [PlannedChain(f"key-{i}", f"q{i}", "Q?") for i in range(4)]
+    StateStore(url).plan_document(document("run-c", 1, "file:///c"), chains)
+    failures: list[BaseException] = []
+
+    def write_chain(index: int) -> None:
+        writer = StateStore(url)  # as if in another actor
+        try:
+            for position in range(25):
+                writer.record_step(step(f"key-{index}", position))
+        except BaseException as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=write_chain, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    with sqlite3.connect(url.removeprefix("sqlite:///")) as connection:
+        assert connection.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        assert connection.execute("SELECT count(*) FROM steps").fetchone() == (100,)
+
+
+# --- the job, with the real engine --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_session(s3_server: S3Server) -> Iterator[None]:
+    """One Ray session for the module's engine tests. Started after the S3 fixture, so its
+    workers inherit the S3 credentials it puts in the environment."""
+    import ray
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(*WORKER_NICENESS)
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def local_inputs(corpora: Path, tmp_path: Path) -> Path:
+    """A text, a log and a good one-page PDF cut from the corpora, and every bad PDF."""
+    folder = tmp_path / "inputs"
+    folder.mkdir()
+    (folder / "rfc2616-excerpt.txt").write_text(excerpt_of_text(corpora, 4000))
+    (folder / "rfc2616-excerpt.txt.questions.txt").write_text("Which protocol is described?\n")
+    (folder / "apache-excerpt.log").write_text(excerpt_of_log(corpora, 12))
+    (folder / "contract-page.pdf").write_bytes(one_page_pdf(corpora))
+    for bad in sorted((corpora / "pdfs" / "bad").glob("*.pdf")):
+        (folder / bad.name).write_bytes(bad.read_bytes())
+    return folder
+
+
+@pytest.mark.engine
+def test_local_job_answers_every_document_or_says_why(
+    ray_session: None, local_inputs: Path, tmp_path: Path
+) -> None:
+    output = tmp_path / "out"
+    summary = run_job(job(sources=[str(local_inputs)], questions=[QUESTION], output=str(output)))
+    assert summary.attempt == 1
+
+    inputs = {
+        p.as_uri() for p in local_inputs.iterdir() if not p.name.endswith(".txt.questions.txt")
+    }
+    answers = duckdb.sql(f"SELECT * FROM '{summary.outputs['answers']}'").df()
+    errors = pd.read_parquet(summary.outputs["errors"])
+    trajectory = pd.read_parquet(summary.outputs["trajectory"])
+    assert set(answers.source_uri) | set(errors.source_uri) == inputs
+    assert not set(answers.source_uri) & set(errors.source_uri)
+
+    reasons = dict(zip(errors.name, errors.message, strict=True))
+    assert reasons.keys() == BAD_PDF_REASONS.keys()
+    for name, reason in BAD_PDF_REASONS.items():
+        assert reason in reasons[name]
+    assert set(errors.stage) == {"parse"}
+
+    assert not answers.duplicated(["source_uri", "question_id"]).any()
+    assert len(answers) == 5  # four documents, one of them with its own second question
+    assert (answers.status == "done").all() and answers.raw_response.str.len().min() > 0
+    own = answers[answers.question_id == "d0"]
+    assert own.name.tolist() == ["rfc2616-excerpt.txt"]
+    assert own.question.tolist() == ["Which protocol is described?"]
+    recovered = answers[answers.name == "corrupted-zen_of_python.pdf"].iloc[0]
+    assert any("recovered" in warning for warning in recovered.parse_warnings)
+    assert (answers.model == TEST_MODEL).all() and (answers.template == "memagent-reference").all()
+    assert answers.timings.map(lambda t: t["compute_s"] > 0).all()
+
+    assert_complete_trajectories(answers, trajectory)
+    assert summary.documents == 8 and summary.documents_answered == 4
+    assert summary.documents_failed == 4 and summary.errors == 4
+    assert summary.chains == summary.chains_done == 5 and summary.chains_failed == 0
+    assert summary.tokens == trajectory.prompt_tokens.sum() + trajectory.completion_tokens.sum()
+    manifest = json.loads(Path(summary.outputs["manifest"]).read_text())
+    assert manifest["counts"]["answers_rows"] == 5 and manifest["run_id"] == summary.run_id
+
+
+def assert_complete_trajectories(answers: pd.DataFrame, trajectory: pd.DataFrame) -> None:
+    """Each chain has steps 0..n_segments once: n updates, then the final answer."""
+    assert not trajectory.duplicated(["source_uri", "question_id", "step"]).any()
+    for answer in answers.itertuples():
+        steps = trajectory[
+            (trajectory.source_uri == answer.source_uri)
+            & (trajectory.question_id == answer.question_id)
+        ].sort_values("step")
+        assert steps.step.tolist() == list(range(answer.n_segments + 1)), answer.name
+        assert steps.kind.tolist() == ["update"] * answer.n_segments + ["final"]
+        assert steps.memory_after.iloc[-1] == answer.raw_response
+        if answer.n_segments:
+            assert steps.memory_after.iloc[-2] == answer.final_memory
+            assert steps.token_start.iloc[0] == 0
+            assert steps.token_end.iloc[-2] == answer.n_tokens
+
+
+@pytest.mark.engine
+@pytest.mark.server
+def test_s3_and_sql_in_s3_out_with_a_postgres_state_store(
+    ray_session: None, s3_server: S3Server, postgres_url: str, corpora: Path
+) -> None:
+    bucket = f"job-{uuid.uuid4().hex[:10]}"
+    client = s3_server.client()
+    client.create_bucket(Bucket=bucket)
+    client.put_object(Bucket=bucket, Key="in/rfc.txt", Body=excerpt_of_text(corpora, 1500).encode())
+    client.put_object(Bucket=bucket, Key="in/contract-page.pdf", Body=one_page_pdf(corpora))
+    table = f"docs_{uuid.uuid4().hex[:8]}"
+    with sa.create_engine(postgres_url).begin() as connection:
+        connection.exec_driver_sql(f"CREATE TABLE {table} (id int PRIMARY KEY, body text)")
+        connection.execute(
+            sa.text(f"INSERT INTO {table} VALUES (1, :log), (2, :empty)"),
+            {"log": excerpt_of_log(corpora, 8), "empty": "   "},
+        )
+    spec = job(
+        sources=[
+            {"type": "s3", "uri": f"s3://{bucket}/in/", "endpoint_url": s3_server.endpoint_url},
+            {"type": "sql", "url": postgres_url, "query": f"SELECT id, body FROM {table}",
+             "text_column": "body"},
+        ],
+        questions=[QUESTION],
+        output={"uri": f"s3://{bucket}/out", "s3_endpoint_url": s3_server.endpoint_url},
+        state_store=postgres_url,
+    )  # fmt: skip
+    summary = run_job(spec)
+
+    filesystem = pafs.S3FileSystem(endpoint_override=s3_server.endpoint_url)
+    prefix = f"{bucket}/out/{summary.run_id}"
+    assert summary.outputs["answers"] == f"s3://{prefix}/answers.parquet"
+    answers = pq.read_table(f"{prefix}/answers.parquet", filesystem=filesystem).to_pandas()
+    errors = pq.read_table(f"{prefix}/errors.parquet", filesystem=filesystem).to_pandas()
+    trajectory = pq.read_table(f"{prefix}/trajectory.parquet", filesystem=filesystem).to_pandas()
+    assert sorted(answers.name) == ["1.txt", "contract-page.pdf", "rfc.txt"]
+    assert (answers.status == "done").all()
+    assert errors[["name", "message"]].values.tolist() == [["2.txt", "empty document"]]
+    assert ":***@" in summary.state_store  # the password never shows
+    assert_complete_trajectories(answers, trajectory)
+    with filesystem.open_input_stream(f"{prefix}/manifest.json") as stream:
+        manifest = json.loads(stream.read())
+    assert manifest["counts"]["documents"] == 4 and manifest["counts"]["chains_done"] == 3
+    with sa.create_engine(postgres_url).connect() as connection:
+        steps = connection.exec_driver_sql("SELECT count(*) FROM steps").scalar_one()
+    assert steps >= len(trajectory)
+
+
+# --- kill -9 in the middle, then a rerun ----------------------------------------------------------
+
+RUN_IN_SUBPROCESS = (
+    "import sys\n"
+    "from pipeline.job import load_job_spec, run_job\n"
+    "run_job(load_job_spec(sys.argv[1]))\n"
+)
+
+
+@pytest.mark.engine
+def test_kill_minus_9_mid_run_then_rerun_gives_each_answer_once(
+    ray_session: None, corpora: Path, tmp_path: Path
+) -> None:
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "rfc.txt").write_text(excerpt_of_text(corpora, 6000))  # about 8 segments of 160
+    (inputs / "apache.log").write_text(excerpt_of_log(corpora, 6))
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(
+        yaml.safe_dump(
+            {
+                "sources": ["inputs"],
+                "questions": [QUESTION, "Which errors are mentioned?"],
+                "output": "out",
+                "engine": ENGINE,
+                "method": {**METHOD, "chunk_size": 160},
+            }
+        )
+    )
+    state = tmp_path / "out" / "memstream-state.sqlite"
+    marker = uuid.uuid4().hex
+    log = (tmp_path / "first-run.log").open("wb")
+    first = subprocess.Popen(
+        [sys.executable, "-c", RUN_IN_SUBPROCESS, str(job_file)],
+        env={**os.environ, "MEMSTREAM_TEST_RUN": marker, WORKER_NICENESS[0]: WORKER_NICENESS[1]},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        steps_before = wait_for_progress(state, process=first, timeout=600)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        kill_processes_marked(marker)
+        log.close()
+    assert count_answered(state) < 4, "the first run finished before it could be killed"
+
+    rerun = run_job(load_job_spec(job_file))
+    assert rerun.attempt == 2
+    answers = pd.read_parquet(rerun.outputs["answers"])
+    trajectory = pd.read_parquet(rerun.outputs["trajectory"])
+    assert len(answers) == 4 and not answers.duplicated(["source_uri", "question_id"]).any()
+    assert (answers.status == "done").all()
+    assert_complete_trajectories(answers, trajectory)
+    assert rerun.chains_skipped >= 1 and rerun.chains_resumed >= 1
+    # the steps written before the kill were kept, not redone
+    with sqlite3.connect(state) as connection:
+        kept = dict(connection.execute("SELECT chain_key || ':' || step, created_at FROM steps"))
+    assert all(kept[key] == created for key, created in steps_before.items())
+    assert rerun.prompt_tokens < trajectory.prompt_tokens.sum()
+
+
+def wait_for_progress(
+    state: Path, *, process: subprocess.Popen, timeout: float
+) -> dict[str, float]:
+    """The steps in the state store (by chain key and step) once a chain is answered and
+    others are under way."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the first run exited early ({process.returncode})")
+        try:
+            with sqlite3.connect(f"file:{state}?mode=ro", uri=True) as connection:
+                steps = connection.execute(
+                    "SELECT chain_key || ':' || step, created_at FROM steps"
+                ).fetchall()
+                done, under_way = connection.execute(
+                    "SELECT count(DISTINCT CASE WHEN c.status = 'done' THEN c.chain_key END),"
+                    " count(CASE WHEN c.status != 'done' THEN 1 END)"
+                    " FROM steps AS s JOIN chains AS c ON c.chain_key = s.chain_key"
+                ).fetchone()
+        except sqlite3.OperationalError:  # no database or no tables yet
+            steps, done, under_way = [], 0, 0
+        if done >= 1 and under_way >= 1:
+            return dict(steps)
+        time.sleep(0.25)
+    pytest.fail(f"no progress in {state} after {timeout:.0f} s")
+
+
+def count_answered(state: Path) -> int:
+    with sqlite3.connect(state) as connection:
+        return connection.execute("SELECT count(*) FROM chains WHERE status = 'done'").fetchone()[0]
+
+
+def kill_processes_marked(marker: str) -> None:
+    """SIGKILLs what the killed run left behind (its Ray workers and engine processes are in
+    other process groups), found by the marker in their environment."""
+    needle = f"MEMSTREAM_TEST_RUN={marker}".encode()
+    for _ in range(20):
+        marked = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    marked.append(int(entry.name))
+            except OSError:
+                continue
+        if not marked:
+            return
+        for pid in marked:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
