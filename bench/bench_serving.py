@@ -314,6 +314,14 @@ def markdown(report: dict[str, Any]) -> str:
         )
     failed = sum(m["failed"] for m in report["measurements"])
     lines += ["", f"Failed requests: {failed}.", ""]
+    busiest = max(report["machine"]["load_average"][0], report["machine"]["load_average_end"][0])
+    if busiest > report["machine"]["cpus"]:
+        lines += [
+            f"**The machine was busy with other work (1-minute load {busiest} on "
+            f"{report['machine']['cpus']} CPUs): these numbers measure contention more than "
+            "serving overhead; rerun on a quiet machine.**",
+            "",
+        ]
     return "\n".join(lines)
 
 
