@@ -37,6 +37,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("memstream: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:  # an unexpected failure: still one line, the traceback on demand
+        if os.environ.get("MEMSTREAM_DEBUG"):
+            raise
+        print(
+            f"memstream: error: {type(error).__name__}: {error} "
+            "(set MEMSTREAM_DEBUG=1 to see the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
