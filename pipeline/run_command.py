@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .job import JobSpec, RunSummary, load_job_spec, run_job
+from .job import JobError, JobSpec, RunSummary, load_job_spec, run_job
 
 EXIT_PARTIAL_FAILURE = 1
 
@@ -108,8 +108,6 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def spec_from_arguments(args: argparse.Namespace) -> JobSpec:
-    from .cli import UserError
-
     overrides: dict[str, Any] = {}
     for destination, (section, key) in FLAG_KEYS.items():
         if hasattr(args, destination):
@@ -120,14 +118,16 @@ def spec_from_arguments(args: argparse.Namespace) -> JobSpec:
     if job is not None:
         return load_job_spec(job, overrides)
     if "sources" not in overrides or "output" not in overrides:
-        raise UserError("give a job file, or --input URI and --output URI (see memstream run -h)")
+        raise JobError("give a job file, or --input URI and --output URI (see memstream run -h)")
     return JobSpec.from_dict(overrides, "command line")
 
 
 def summary_table(summary: RunSummary) -> Table:
-    table = Table(title=f"memstream run {summary.run_id} (attempt {summary.attempt})")
-    table.add_column("", style="bold")
-    table.add_column("", justify="right")
+    table = Table(
+        title=f"memstream run {summary.run_id} (attempt {summary.attempt})", show_header=False
+    )
+    table.add_column("what", style="bold")
+    table.add_column("value", justify="right", overflow="fold")
     rows = [
         ("documents", f"{summary.documents:,}"),
         ("  answered", f"{summary.documents_answered:,}"),
