@@ -1,0 +1,57 @@
+"""Planted-fact accuracy of memory strategies on the demo corpus, all chains on one engine.
+
+    .venv/bin/python bench/demo_strategies.py MODEL SCALE TEMPLATE[,TEMPLATE...]
+e.g. `qwen2.5-coder-0.5b-instruct 0.25 memagent-reference,append-evidence` (the README's table).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+from pipeline import democorpus
+from pipeline.ask import DocumentInput, answer, prepare
+from pipeline.config import MethodConfig
+from pipeline.core.extraction import string_match_any
+from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
+from pipeline.runner import ChainRunner
+
+
+async def main(model: str, scale: float, templates: list[str]) -> None:
+    spec = EngineSpec(model=model, enforce_eager=True, cpu_kvcache_space_gib=3, max_model_len=8192)
+    engine, tokenizer = open_engine(spec), load_tokenizer(spec)
+    documents = democorpus.generate(scale=scale)
+    prepared, origins = [], []
+    for template in templates:
+        method = MethodConfig(max_memory_tokens=256, max_answer_tokens=64, template=template)
+        for document in documents:
+            questions = [fact.question for fact in document.facts]
+            doc_input = DocumentInput(f"{template}|{document.name}", document.text)
+            prepared.append(prepare(doc_input, questions, tokenizer, method))
+            origins.append((template, document))
+    started = time.perf_counter()
+    try:
+        results = await answer(ChainRunner(engine, MethodConfig().sampling()), prepared)
+    finally:
+        await engine.shutdown()
+    elapsed = time.perf_counter() - started
+    found: dict[str, list[bool]] = {}
+    formatted: dict[str, int] = {}
+    for ready, (template, document) in zip(prepared, origins, strict=True):
+        for fact, result in zip(document.facts, results[ready.doc_id], strict=True):
+            correct = result.answer is not None and bool(
+                string_match_any(result.answer, [fact.answer])
+            )
+            found.setdefault(template, []).append(correct)
+            formatted[template] = formatted.get(template, 0) + (result.answer is not None)
+            print(template, document.name, ready.n_tokens, fact.answer, "->", repr(result.answer))
+    steps = sum(len(ready.segments) + 1 for ready in prepared for _ in ready.chains)
+    for template, hits in found.items():
+        print(f"{model} {template}: {sum(hits)}/{len(hits)} found, "
+              f"{formatted[template]}/{len(hits)} in the answer format")  # fmt: skip
+    print(f"{steps} model calls in {elapsed:.0f} s ({elapsed / steps:.1f} s per call)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], float(sys.argv[2]), sys.argv[3].split(",")))
