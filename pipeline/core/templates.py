@@ -144,6 +144,26 @@ EVIDENCE_UPDATE = """Find the sentences in the section that help answer the prob
 Sentences that help:
 """  # noqa: E501, W291
 
+# The reference update with the section first: every question about one segment then shares the
+# token prefix (chat template, instruction, section), whose KV vLLM's prefix cache can reuse.
+# Same wording, other order: the RL-MemAgent weights were trained on the reference order.
+SEGMENT_FIRST_UPDATE = """You are presented with a problem, a section of an article that may contain the answer to the problem, and a previous memory. Please read the provided section carefully and update the memory with the new information that helps to answer the problem. Be sure to retain all relevant details from the previous memory while adding any new, useful information.
+
+<section>
+{chunk}
+</section>
+
+<problem> 
+{question}
+</problem>
+
+<memory>
+{memory}
+</memory>
+
+Updated memory:
+"""  # noqa: E501, W291
+
 EXTRACTIVE = TemplateSet(name="extractive", update=EXTRACTIVE_UPDATE, final=REFERENCE_FINAL)
 APPEND_EVIDENCE = TemplateSet(
     name="append-evidence",
@@ -151,9 +171,12 @@ APPEND_EVIDENCE = TemplateSet(
     final=REFERENCE_FINAL,
     memory_policy="append",
 )
+SEGMENT_FIRST = TemplateSet(
+    name="segment-first", update=SEGMENT_FIRST_UPDATE, final=REFERENCE_FINAL
+)
 
 TEMPLATE_SETS: dict[str, TemplateSet] = {
-    t.name: t for t in (REFERENCE, EXTRACTIVE, APPEND_EVIDENCE)
+    t.name: t for t in (REFERENCE, EXTRACTIVE, APPEND_EVIDENCE, SEGMENT_FIRST)
 }
 
 
