@@ -144,25 +144,19 @@ EVIDENCE_UPDATE = """Find the sentences in the section that help answer the prob
 Sentences that help:
 """  # noqa: E501, W291
 
-# The reference update with the section first: every question about one segment then shares the
+
+def section_first(update: str) -> str:
+    """The same update prompt with its <section> block moved up, right after the instruction."""
+    instruction, *blocks = update.split("\n\n")
+    section = next(block for block in blocks if block.startswith("<section>"))
+    blocks.remove(section)
+    return "\n\n".join([instruction, section, *blocks])
+
+
+# The reference wording with the section first: every question about one segment then shares the
 # token prefix (chat template, instruction, section), whose KV vLLM's prefix cache can reuse.
-# Same wording, other order: the RL-MemAgent weights were trained on the reference order.
-SEGMENT_FIRST_UPDATE = """You are presented with a problem, a section of an article that may contain the answer to the problem, and a previous memory. Please read the provided section carefully and update the memory with the new information that helps to answer the problem. Be sure to retain all relevant details from the previous memory while adding any new, useful information.
-
-<section>
-{chunk}
-</section>
-
-<problem> 
-{question}
-</problem>
-
-<memory>
-{memory}
-</memory>
-
-Updated memory:
-"""  # noqa: E501, W291
+# The RL-MemAgent weights were trained on the reference order.
+SEGMENT_FIRST_UPDATE = section_first(REFERENCE_UPDATE)
 
 EXTRACTIVE = TemplateSet(name="extractive", update=EXTRACTIVE_UPDATE, final=REFERENCE_FINAL)
 APPEND_EVIDENCE = TemplateSet(
