@@ -56,7 +56,7 @@ class SqlSource:
 
     @property
     def safe_url(self) -> str:
-        return self.url.render_as_string(hide_password=True)
+        return redacted(self.url)
 
     @property
     def engine(self) -> Engine:
@@ -144,4 +144,17 @@ def _parse_url(url: str) -> URL:
         raise SourceError(
             "cannot parse the SQL URL: write it as dialect+driver://user:password@host:port/db"
         ) from None
-    return parsed.set(drivername=DEFAULT_DRIVERS.get(parsed.drivername, parsed.drivername))
+    return with_default_driver(parsed)
+
+
+def with_default_driver(url: URL) -> URL:
+    """`url` with psycopg 3 as the driver of a plain postgresql:// or postgres:// URL."""
+    return url.set(drivername=DEFAULT_DRIVERS.get(url.drivername, url.drivername))
+
+
+def redacted(url: str | URL) -> str:
+    """The URL as it may be shown and logged: its password as ***."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return "(invalid URL)"

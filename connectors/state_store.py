@@ -9,6 +9,9 @@ its trajectory has no gap and no duplicate.
 A run's membership tables (`documents`, `run_chains`, `errors`) say which documents and
 questions belong to the run; each row carries the run's attempt number, so the export of a rerun
 shows exactly the inputs that attempt saw.
+
+The serving job store (`serving/store.py`) builds on this module: the same URL parsing and
+engines, and its chains checkpointed in the same `chains` and `steps` tables by `write_step`.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     Column,
+    ColumnElement,
     Float,
     Integer,
+    Join,
     MetaData,
     String,
     Table,
@@ -34,8 +39,14 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+from connectors.sql import redacted, with_default_driver
+
+if TYPE_CHECKING:
+    from pipeline.core.chain import MemoryChain
+    from pipeline.runner import StepRecord
 
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")
@@ -181,27 +192,23 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class StepCheckpoint:
-    """One finished model call and the chain state right after it."""
+    """One finished model call (its `steps` row; the record's chain_id is the chain key) and
+    the chain state right after it."""
 
-    chain_key: str
-    step: int
-    kind: str
-    segment_index: int | None
-    token_start: int | None
-    token_end: int | None
-    char_start: int | None
-    char_end: int | None
-    memory_after: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str | None
-    latency_s: float
-    # the chain after the step
+    record: StepRecord
     next_step: int
     memory: str
     done: bool
     answer: str | None
     raw_response: str | None
+
+    @classmethod
+    def after(cls, chain: MemoryChain, record: StepRecord) -> StepCheckpoint:
+        return cls(record, chain.step, chain.memory, chain.done, chain.answer, chain.raw_response)
+
+    @property
+    def chain_key(self) -> str:
+        return self.record.chain_id
 
 
 @dataclass(frozen=True)
@@ -221,22 +228,9 @@ class StateStore:
     connection pool on first use."""
 
     def __init__(self, url: str) -> None:
-        try:
-            parsed = make_url(url)
-        except (ArgumentError, ValueError):
-            raise StateStoreError(
-                f"cannot parse the state store URL {url!r}: write it as sqlite:///path/state.db "
-                "or postgresql+psycopg://user:password@host:port/db"
-            ) from None
-        if parsed.get_backend_name() not in SUPPORTED_DIALECTS:
-            raise StateStoreError(
-                f"state store {parsed.get_backend_name()!r} is not supported: use SQLite or "
-                "PostgreSQL"
-            )
-        if parsed.drivername in ("postgresql", "postgres"):
-            parsed = parsed.set(drivername="postgresql+psycopg")
+        parsed = parse_store_url(url)
         self.url = parsed.render_as_string(hide_password=False)
-        self.safe_url = parsed.render_as_string(hide_password=True)
+        self.safe_url = redacted(parsed)
         self._engine: Engine | None = None
 
     def __repr__(self) -> str:
@@ -248,7 +242,7 @@ class StateStore:
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            self._engine = _open_engine(self.url)
+            self._engine = open_store_engine(self.url)
         return self._engine
 
     def close(self) -> None:
@@ -264,7 +258,7 @@ class StateStore:
         try:
             metadata.create_all(self.engine)
         except SQLAlchemyError as error:
-            raise StateStoreError(f"state store {self.safe_url}: {_first_line(error)}") from None
+            raise StateStoreError(f"state store {self.safe_url}: {first_line(error)}") from None
 
     def begin_run(self, run_id: str, summary: Mapping[str, Any]) -> int:
         """Registers an attempt of the run and returns its number (1 for a new run)."""
@@ -323,23 +317,15 @@ class StateStore:
                 _upsert(
                     connection,
                     chains,
-                    {
-                        "chain_key": chain.chain_key,
-                        "run_id": document.run_id,
-                        "doc_id": document.doc_id,
-                        "source_uri": document.source_uri,
-                        "question_id": chain.question_id,
-                        "question": chain.question,
-                        "status": PENDING,
-                        "step": 0,
-                        "n_segments": document.n_segments or 0,
-                        "n_tokens": document.n_tokens or 0,
-                        "prompt_tokens": 0,
-                        "completion_tokens": 0,
-                        "compute_s": 0.0,
-                        "created_at": now,
-                        "updated_at": now,
-                    },
+                    pending_chain_row(
+                        chain,
+                        run_id=document.run_id,
+                        doc_id=document.doc_id,
+                        source_uri=document.source_uri,
+                        n_segments=document.n_segments or 0,
+                        n_tokens=document.n_tokens or 0,
+                        now=now,
+                    ),
                     keys=["chain_key"],
                     update=["run_id", "doc_id", "source_uri", "question_id", "question"],
                 )
@@ -404,66 +390,12 @@ class StateStore:
 
     def record_step(self, checkpoint: StepCheckpoint) -> None:
         """Writes one step and advances its chain, atomically."""
-        now = time.time()
-        step_row = {
-            "chain_key": checkpoint.chain_key,
-            "step": checkpoint.step,
-            "kind": checkpoint.kind,
-            "segment_index": checkpoint.segment_index,
-            "token_start": checkpoint.token_start,
-            "token_end": checkpoint.token_end,
-            "char_start": checkpoint.char_start,
-            "char_end": checkpoint.char_end,
-            "memory_after": checkpoint.memory_after,
-            "prompt_tokens": checkpoint.prompt_tokens,
-            "completion_tokens": checkpoint.completion_tokens,
-            "finish_reason": checkpoint.finish_reason,
-            "latency_s": checkpoint.latency_s,
-            "created_at": now,
-        }
-        of_chain = steps.c.chain_key == checkpoint.chain_key
-        chain_values: dict[str, Any] = {
-            "step": checkpoint.next_step,
-            "memory": checkpoint.memory,
-            "status": DONE if checkpoint.done else RUNNING,
-            "updated_at": now,
-            "prompt_tokens": select(func.sum(steps.c.prompt_tokens))
-            .where(of_chain)
-            .scalar_subquery(),
-            "completion_tokens": select(func.sum(steps.c.completion_tokens))
-            .where(of_chain)
-            .scalar_subquery(),
-            "compute_s": select(func.sum(steps.c.latency_s)).where(of_chain).scalar_subquery(),
-        }
-        if checkpoint.done:
-            chain_values |= {
-                "answer": checkpoint.answer,
-                "raw_response": checkpoint.raw_response,
-                "finished_at": now,
-                "error": None,
-            }
         with self._transaction() as connection:
-            _upsert(
-                connection,
-                steps,
-                step_row,
-                keys=["chain_key", "step"],
-                update=[name for name in step_row if name not in ("chain_key", "step")],
-            )
-            connection.execute(
-                update(chains)
-                .where(chains.c.chain_key == checkpoint.chain_key)
-                .values(chain_values)
-            )
+            write_step(connection, checkpoint)
 
     def mark_failed(self, chain_key: str, error: str) -> None:
-        now = time.time()
         with self._transaction() as connection:
-            connection.execute(
-                update(chains)
-                .where(and_(chains.c.chain_key == chain_key, chains.c.status != DONE))
-                .values(status=FAILED, error=error, updated_at=now, finished_at=now)
-            )
+            write_failure(connection, chain_key, error)
 
     # --- reading a run back (export) ------------------------------------------------------
 
@@ -496,16 +428,8 @@ class StateStore:
                 chains.c.finished_at,
                 chains.c.error,
             )
-            .select_from(
-                run_chains.join(chains, chains.c.chain_key == run_chains.c.chain_key).join(
-                    documents,
-                    and_(
-                        documents.c.run_id == run_chains.c.run_id,
-                        documents.c.source_uri == run_chains.c.source_uri,
-                    ),
-                )
-            )
-            .where(and_(run_chains.c.run_id == run_id, run_chains.c.attempt == attempt))
+            .select_from(_with_documents(chains))
+            .where(_of_attempt(run_id, attempt))
             .order_by(run_chains.c.source_uri, run_chains.c.question_id)
         )
         return self._stream(query)
@@ -532,16 +456,8 @@ class StateStore:
                 steps.c.finish_reason,
                 steps.c.latency_s,
             )
-            .select_from(
-                run_chains.join(steps, steps.c.chain_key == run_chains.c.chain_key).join(
-                    documents,
-                    and_(
-                        documents.c.run_id == run_chains.c.run_id,
-                        documents.c.source_uri == run_chains.c.source_uri,
-                    ),
-                )
-            )
-            .where(and_(run_chains.c.run_id == run_id, run_chains.c.attempt == attempt))
+            .select_from(_with_documents(steps))
+            .where(_of_attempt(run_id, attempt))
             .order_by(run_chains.c.source_uri, run_chains.c.question_id, steps.c.step)
         )
         return self._stream(query)
@@ -565,8 +481,8 @@ class StateStore:
     def chain_status_counts(self, run_id: str, attempt: int) -> dict[str, int]:
         query = (
             select(chains.c.status, func.count())
-            .select_from(run_chains.join(chains, chains.c.chain_key == run_chains.c.chain_key))
-            .where(and_(run_chains.c.run_id == run_id, run_chains.c.attempt == attempt))
+            .select_from(_joined(chains))
+            .where(_of_attempt(run_id, attempt))
             .group_by(chains.c.status)
         )
         with self._transaction() as connection:
@@ -575,7 +491,7 @@ class StateStore:
     def document_counts(self, run_id: str, attempt: int) -> tuple[int, int]:
         """(documents with answers rows, documents with error rows) of the run's attempt."""
         answered = select(func.count(func.distinct(run_chains.c.source_uri))).where(
-            and_(run_chains.c.run_id == run_id, run_chains.c.attempt == attempt)
+            _of_attempt(run_id, attempt)
         )
         failed = select(func.count(func.distinct(errors.c.source_uri))).where(
             and_(errors.c.run_id == run_id, errors.c.attempt == attempt)
@@ -590,14 +506,8 @@ class StateStore:
         the steps the run's attempt wrote after `since` (0 when it wrote none)."""
         query = (
             select(func.min(steps.c.created_at - steps.c.latency_s), func.max(steps.c.created_at))
-            .select_from(run_chains.join(steps, steps.c.chain_key == run_chains.c.chain_key))
-            .where(
-                and_(
-                    run_chains.c.run_id == run_id,
-                    run_chains.c.attempt == attempt,
-                    steps.c.created_at >= since,
-                )
-            )
+            .select_from(_joined(steps))
+            .where(_of_attempt(run_id, attempt), steps.c.created_at >= since)
         )
         with self._transaction() as connection:
             first, last = connection.execute(query).one()
@@ -609,13 +519,179 @@ class StateStore:
         try:
             return self.engine.begin()
         except SQLAlchemyError as error:
-            raise StateStoreError(f"state store {self.safe_url}: {_first_line(error)}") from None
+            raise StateStoreError(f"state store {self.safe_url}: {first_line(error)}") from None
 
     def _stream(self, query: Any, batch_size: int = 1000) -> Iterator[dict[str, Any]]:
         with self.engine.connect() as connection:
             result = connection.execution_options(yield_per=batch_size).execute(query)
             for row in result:
                 yield dict(row._mapping)
+
+
+# --- what the serving job store shares ------------------------------------------------------
+
+
+def parse_store_url(url: str, what: str = "state store") -> URL:
+    """A SQLite or PostgreSQL URL (plain postgresql:// means psycopg 3); StateStoreError
+    otherwise, naming `what` the URL is for."""
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        raise StateStoreError(
+            f"cannot parse the {what} URL {url!r}: write it as sqlite:///path/state.db "
+            "or postgresql+psycopg://user:password@host:port/db"
+        ) from None
+    if parsed.get_backend_name() not in SUPPORTED_DIALECTS:
+        raise StateStoreError(
+            f"{what} {parsed.get_backend_name()!r} is not supported: use SQLite or PostgreSQL"
+        )
+    return with_default_driver(parsed)
+
+
+def open_store_engine(
+    url: str | URL,
+    *,
+    write_lock: bool = True,
+    busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS,
+    pool_size: int = 2,
+    max_overflow: int = 4,
+) -> Engine:
+    """An engine on a store database. Several processes write one SQLite file: WAL lets readers
+    run beside the writer, and with `write_lock` every transaction begins with BEGIN IMMEDIATE,
+    taking the write lock up front, so it waits for it (busy timeout) instead of failing when
+    another writer committed after it started reading."""
+    if make_url(url).get_backend_name() != "sqlite":
+        return create_engine(
+            url, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True
+        )
+    engine = create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
+
+    @event.listens_for(engine, "connect")
+    def configure(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # SQLAlchemy's events begin transactions
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    if write_lock:
+
+        @event.listens_for(engine, "begin")
+        def begin_immediate(connection: Connection) -> None:
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+CHECKPOINT_TABLES = (chains, steps)
+
+
+def pending_chain_row(
+    chain: PlannedChain,
+    *,
+    run_id: str,
+    doc_id: str,
+    source_uri: str,
+    n_segments: int,
+    n_tokens: int,
+    now: float,
+) -> dict[str, Any]:
+    """The `chains` row of a chain that has not run a step yet."""
+    return {
+        "chain_key": chain.chain_key,
+        "run_id": run_id,
+        "doc_id": doc_id,
+        "source_uri": source_uri,
+        "question_id": chain.question_id,
+        "question": chain.question,
+        "status": PENDING,
+        "step": 0,
+        "n_segments": n_segments,
+        "n_tokens": n_tokens,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "compute_s": 0.0,
+        "created_at": now,
+        "updated_at": now,
+    }
+
+
+def write_step(connection: Connection, checkpoint: StepCheckpoint) -> None:
+    """Writes one step and advances its chain, inside the caller's transaction."""
+    now = time.time()
+    step_row = asdict(checkpoint.record)
+    step_row["chain_key"] = step_row.pop("chain_id")
+    step_row["memory_after"] = step_row.pop("output")
+    step_row["created_at"] = now
+    of_chain = steps.c.chain_key == checkpoint.chain_key
+    chain_values: dict[str, Any] = {
+        "step": checkpoint.next_step,
+        "memory": checkpoint.memory,
+        "status": DONE if checkpoint.done else RUNNING,
+        "updated_at": now,
+        "prompt_tokens": select(func.sum(steps.c.prompt_tokens)).where(of_chain).scalar_subquery(),
+        "completion_tokens": select(func.sum(steps.c.completion_tokens))
+        .where(of_chain)
+        .scalar_subquery(),
+        "compute_s": select(func.sum(steps.c.latency_s)).where(of_chain).scalar_subquery(),
+    }
+    if checkpoint.done:
+        chain_values |= {
+            "answer": checkpoint.answer,
+            "raw_response": checkpoint.raw_response,
+            "finished_at": now,
+            "error": None,
+        }
+    _upsert(
+        connection,
+        steps,
+        step_row,
+        keys=["chain_key", "step"],
+        update=[name for name in step_row if name not in ("chain_key", "step")],
+    )
+    connection.execute(
+        update(chains).where(chains.c.chain_key == checkpoint.chain_key).values(chain_values)
+    )
+
+
+def write_failure(connection: Connection, chain_key: str, error: str) -> None:
+    """Marks an unanswered chain failed, inside the caller's transaction."""
+    now = time.time()
+    connection.execute(
+        update(chains)
+        .where(and_(chains.c.chain_key == chain_key, chains.c.status != DONE))
+        .values(status=FAILED, error=error, updated_at=now, finished_at=now)
+    )
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of a database error, without SQLAlchemy's statement and background."""
+    reason = str(getattr(error, "orig", None) or error).strip()
+    return reason.splitlines()[0] if reason else type(error).__name__
+
+
+# --- plumbing -----------------------------------------------------------------------------------
+
+
+def _joined(table: Table) -> Join:
+    """run_chains joined with `table` (chains or steps) by chain key."""
+    return run_chains.join(table, table.c.chain_key == run_chains.c.chain_key)
+
+
+def _with_documents(table: Table) -> Join:
+    """`_joined(table)`, and the documents of the run."""
+    return _joined(table).join(
+        documents,
+        and_(
+            documents.c.run_id == run_chains.c.run_id,
+            documents.c.source_uri == run_chains.c.source_uri,
+        ),
+    )
+
+
+def _of_attempt(run_id: str, attempt: int) -> ColumnElement[bool]:
+    return and_(run_chains.c.run_id == run_id, run_chains.c.attempt == attempt)
 
 
 def _statuses(connection: Connection, chain_keys: Sequence[str]) -> dict[str, str]:
@@ -633,30 +709,6 @@ def _document_row(document: DocumentRecord, now: float) -> dict[str, Any]:
     row["metadata"] = json.dumps(dict(document.metadata), sort_keys=True, default=str)
     row["updated_at"] = now
     return row
-
-
-def _open_engine(url: str) -> Engine:
-    if make_url(url).get_backend_name() != "sqlite":
-        return create_engine(url, pool_size=2, max_overflow=4, pool_pre_ping=True)
-    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
-
-    # Several Ray workers write one SQLite file: WAL lets readers run beside the writer, and
-    # BEGIN IMMEDIATE takes the write lock up front, so a transaction waits for it (busy timeout)
-    # instead of failing when another writer committed after it started reading.
-    @event.listens_for(engine, "connect")
-    def configure(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def begin_immediate(connection: Connection) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
-
-    return engine
 
 
 def _upsert(
@@ -679,8 +731,3 @@ def _upsert(
     else:
         statement = statement.on_conflict_do_nothing(index_elements=list(keys))
     connection.execute(statement)
-
-
-def _first_line(error: Exception) -> str:
-    reason = str(getattr(error, "orig", None) or error).strip()
-    return reason.splitlines()[0] if reason else type(error).__name__

@@ -392,14 +392,18 @@ class MemoryStage:
     """Plans in, one result row per chain out. Each actor owns one engine; `__call__` is async,
     so the batches an actor holds run side by side on one event loop and their chains' steps
     meet in the engine's continuous batch. Every step is checkpointed before the chain moves
-    on; a chain resumes from its last checkpoint, and an answered one is skipped."""
+    on; a chain resumes from its last checkpoint, and an answered one is skipped. The engine
+    is built when the first chain needs it, so a rerun whose chains are all answered costs no
+    engine start-up."""
 
     def __init__(self, run: RunContext, max_active_chains: int) -> None:
         self.run = run
         self.store = StateStore(run.store_url)
         self.chain_config = run.method.chain()
-        self.engine: Any = open_engine(run.engine)
-        self.runner = ChainRunner(self.engine, run.method.sampling(), max_active_chains)
+        self.max_active_chains = max_active_chains
+        self.engine: Any = None
+        self._runner: ChainRunner | None = None
+        self._runner_lock = asyncio.Lock()
         # Store calls block; one thread per actor keeps them off the event loop, in order.
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="memstream-store")
         self._closed = threading.Event()
@@ -460,8 +464,9 @@ class MemoryStage:
                 memory=memory,
                 start_step=start_step,
             )
+            runner = await self._chain_runner()
             await self._in_store(self.store.mark_running, key, self.run.run_id)
-            result = await self.runner.run_chain(chain, self._checkpoint)
+            result = await runner.run_chain(chain, self._checkpoint)
         except Exception as error:  # e.g. the store is unreachable: recorded, resumable later
             logger.exception("chain %s failed", key)
             message = f"{type(error).__name__}: {error}"
@@ -479,30 +484,19 @@ class MemoryStage:
             "error": result.error,
         }
 
+    async def _chain_runner(self) -> ChainRunner:
+        async with self._runner_lock:
+            if self._runner is None:
+                # Blocks the actor's event loop while the engine starts; no chain of this
+                # actor could move without it anyway.
+                self.engine = open_engine(self.run.engine)
+                self._runner = ChainRunner(
+                    self.engine, self.run.method.sampling(), self.max_active_chains
+                )
+            return self._runner
+
     async def _checkpoint(self, chain: MemoryChain, record: StepRecord) -> None:
-        await self._in_store(
-            self.store.record_step,
-            StepCheckpoint(
-                chain_key=chain.chain_id,
-                step=record.step,
-                kind=record.kind,
-                segment_index=record.segment_index,
-                token_start=record.token_start,
-                token_end=record.token_end,
-                char_start=record.char_start,
-                char_end=record.char_end,
-                memory_after=record.output,
-                prompt_tokens=record.prompt_tokens,
-                completion_tokens=record.completion_tokens,
-                finish_reason=record.finish_reason,
-                latency_s=record.latency_s,
-                next_step=chain.step,
-                memory=chain.memory,
-                done=chain.done,
-                answer=chain.answer,
-                raw_response=chain.raw_response,
-            ),
-        )
+        await self._in_store(self.store.record_step, StepCheckpoint.after(chain, record))
 
     async def _mark_failed(self, key: str, message: str) -> None:
         try:

@@ -39,6 +39,7 @@ from connectors.state_store import (
 from pipeline.job import JobError, JobSpec, derive_run_id, load_job_spec, plan_job, run_job
 from pipeline.outputs import ResultWriter, RunIdentity
 from pipeline.run_command import spec_from_arguments
+from pipeline.runner import StepRecord
 from pipeline.stages import Question
 from tests.conftest import TEST_MODEL
 
@@ -258,8 +259,8 @@ def document(run_id: str, attempt: int, uri: str) -> DocumentRecord:
 
 
 def step(key: str, index: int, *, final: bool = False) -> StepCheckpoint:
-    return StepCheckpoint(
-        chain_key=key,
+    record = StepRecord(
+        chain_id=key,
         step=index,
         kind="final" if final else "update",
         segment_index=None if final else index,
@@ -267,11 +268,14 @@ def step(key: str, index: int, *, final: bool = False) -> StepCheckpoint:
         token_end=None if final else index * 50 + 50,
         char_start=None if final else index * 200,
         char_end=None if final else index * 200 + 200,
-        memory_after=f"memory {index}",
+        output=f"memory {index}",
         prompt_tokens=100,
         completion_tokens=10,
         finish_reason="stop",
         latency_s=0.5,
+    )
+    return StepCheckpoint(
+        record,
         next_step=index + 1,
         memory=f"memory {min(index, 1)}",
         done=final,
