@@ -17,6 +17,7 @@ import socket
 import time
 import uuid
 
+from connectors.state_store import StepCheckpoint
 from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
 from pipeline.engines.base import Completion, Engine, GenerationRequest
@@ -27,7 +28,7 @@ from .config import JobsConfig
 from .documents import DocumentLoader, DocumentRequest, InputError
 from .engine import EngineUnavailable
 from .metrics import ServingMetrics
-from .store import FAILED, SUCCEEDED, ChainState, JobInput, JobStore, StepWrite, StoreError
+from .store import FAILED, SUCCEEDED, ChainState, JobInput, JobStore, StoreError
 
 logger = logging.getLogger("ray.serve")
 STORE_RETRY_S = 2.0
@@ -164,7 +165,7 @@ class JobRun:
             if state.done:
                 continue
             chain = MemoryChain(
-                f"{job.job_id}#q{state.chain_index}",
+                state.chain_key,
                 state.question,
                 prepared.segments,
                 self.method.chain(),
@@ -240,19 +241,10 @@ class JobRun:
 
     async def _checkpoint(self, index: int, chain: MemoryChain, record: StepRecord) -> None:
         self.worker.metrics.observe_step(record)
-        final = record.kind == "final"
-        step = StepWrite(
-            chain_index=index,
-            step=record.step,
-            final=final,
-            memory=chain.memory,
-            raw_response=chain.raw_response if final else None,
-            answer=chain.answer if final else None,
-            prompt_tokens=record.prompt_tokens,
-            completion_tokens=record.completion_tokens,
-            latency_s=record.latency_s,
-        )
-        if not await asyncio.to_thread(self.store.checkpoint, self.job.job_id, self.owner, step):
+        step = StepCheckpoint.after(chain, record)
+        if not await asyncio.to_thread(
+            self.store.checkpoint, self.job.job_id, self.owner, index, step
+        ):
             # The lease is gone (cancelled, or taken over): stop every chain of this job.
             self.worker.cancel_local(self.job.job_id)
             raise asyncio.CancelledError

@@ -1,10 +1,13 @@
 """Serving jobs in an SQL database (SQLite by default, PostgreSQL by URL), through SQLAlchemy Core.
 
-Three tables, prefixed `serving_` so they can share a database with other memstream state:
+The database is a state store of the corpus job's kind (`connectors.state_store`): the same URLs,
+the same SQLite set-up, and the chains checkpointed in the same `chains` and `steps` tables by
+the same code. A job's chain `i` is the `chains` row keyed `<job_id>#q<i>` (its run_id and
+doc_id are the job id), with a `steps` row per model call. What only the server has lives in two
+tables, prefixed `serving_` so they can share a database with other memstream state:
 - `serving_jobs`: a job's inputs, status, lease and outcome. The input bytes and URI (which may
   carry a presigned token) are kept only until the document is read; from then on its text is,
   so a resumed job reads the same text.
-- `serving_chains`: one row per question, the chain's checkpoint `(step, memory)` and counters.
 - `serving_events`: what the event stream replays: a `memory` event per memory update and one
   `end` event when the job finishes, fails or is cancelled.
 
@@ -19,14 +22,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Column,
+    ColumnElement,
     Float,
     Integer,
     LargeBinary,
@@ -35,16 +39,30 @@ from sqlalchemy import (
     Table,
     Text,
     and_,
-    create_engine,
-    event,
     func,
     insert,
     or_,
     select,
     update,
 )
-from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.engine import URL, Connection, Engine, RowMapping
+from sqlalchemy.exc import SQLAlchemyError
+
+from connectors import state_store
+from connectors.sql import redacted
+from connectors.state_store import (
+    CHECKPOINT_TABLES,
+    PlannedChain,
+    StateStoreError,
+    StepCheckpoint,
+    chains,
+    first_line,
+    open_store_engine,
+    parse_store_url,
+    pending_chain_row,
+    write_failure,
+    write_step,
+)
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
     "queued",
@@ -53,9 +71,25 @@ QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
     "failed",
     "cancelled",
 )
+T = TypeVar("T")
 UNFINISHED = (QUEUED, RUNNING)
 FINISHED = (SUCCEEDED, FAILED, CANCELLED)
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# A chain's status as the API shows it: "ok" once answered, "error" once failed, else "pending".
+ANSWER_STATUS = {state_store.DONE: "ok", state_store.FAILED: "error"}
+CHAIN_COLUMNS = (
+    "chain_key",
+    "question",
+    "n_segments",
+    "step",
+    "memory",
+    "answer",
+    "raw_response",
+    "error",
+    "prompt_tokens",
+    "completion_tokens",
+    "compute_s",
+)
 
 metadata = MetaData()
 
@@ -80,25 +114,6 @@ jobs = Table(
     Column("started_at", Float),
     Column("updated_at", Float, nullable=False),
     Column("finished_at", Float),
-)
-
-chains = Table(
-    "serving_chains",
-    metadata,
-    Column("job_id", String(32), primary_key=True),
-    Column("chain_index", Integer, primary_key=True),
-    Column("question", Text, nullable=False),
-    Column("n_segments", Integer, nullable=False),
-    Column("step", Integer, nullable=False),  # the next step to run = steps done
-    Column("memory", Text),  # after the last update step; NULL before the first
-    Column("status", String(16), nullable=False),  # "pending", "ok" or "error"
-    Column("answer", Text),
-    Column("raw_response", Text),
-    Column("error", Text),
-    Column("prompt_tokens", Integer, nullable=False),
-    Column("completion_tokens", Integer, nullable=False),
-    Column("compute_s", Float, nullable=False),  # sum of the step latencies
-    Column("updated_at", Float, nullable=False),
 )
 
 events = Table(
@@ -138,11 +153,12 @@ class NewJob:
 @dataclass(frozen=True)
 class ChainState:
     chain_index: int
+    chain_key: str
     question: str
     n_segments: int
     step: int
     memory: str | None
-    status: str
+    status: str  # "pending", "ok" or "error"
     answer: str | None
     raw_response: str | None
     error: str | None
@@ -210,21 +226,6 @@ class JobInput:
 
 
 @dataclass(frozen=True)
-class StepWrite:
-    """One finished model call of a chain, to be checkpointed."""
-
-    chain_index: int
-    step: int  # the step that ran
-    final: bool
-    memory: str  # the chain's memory after the step
-    raw_response: str | None
-    answer: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    latency_s: float
-
-
-@dataclass(frozen=True)
 class Event:
     event_id: int
     kind: str
@@ -233,13 +234,18 @@ class Event:
 
 class JobStore:
     def __init__(self, url: str) -> None:
-        self.url = url
         try:
-            self._writer, self._reader = _open_engines(url)
+            parsed = parse_store_url(url, "job store")
+        except StateStoreError as error:
+            raise StoreError(str(error)) from None
+        self.safe_url = redacted(parsed)
+        try:
+            self._writer, self._reader = _open_engines(parsed)
             metadata.create_all(self._writer)
-        except (ArgumentError, SQLAlchemyError, OSError) as error:
+            state_store.metadata.create_all(self._writer, tables=list(CHECKPOINT_TABLES))
+        except (SQLAlchemyError, OSError) as error:
             raise StoreError(
-                f"cannot open the job store {_safe_url(url)}: {_first_line(error)}"
+                f"cannot open the job store {self.safe_url}: {first_line(error)}"
             ) from None
 
     def close(self) -> None:
@@ -271,31 +277,11 @@ class JobStore:
         return job_id
 
     def get_job(self, job_id: str) -> JobState | None:
-        with self._read() as connection:
-            row = connection.execute(select(jobs).where(jobs.c.job_id == job_id)).mappings().first()
-            if row is None:
-                return None
-            states = _chain_states(connection, job_id)
-        return JobState(
-            job_id=row["job_id"],
-            status=row["status"],
-            name=row["name"],
-            source=row["source"],
-            questions=tuple(json.loads(row["questions"])),
-            method=json.loads(row["method"]),
-            document=json.loads(row["document"]) if row["document"] else None,
-            error=row["error"],
-            created_at=row["created_at"],
-            started_at=row["started_at"],
-            updated_at=row["updated_at"],
-            finished_at=row["finished_at"],
-            chains=states,
-        )
+        return self._load(job_id, _job_state)
 
     def cancel(self, job_id: str) -> bool:
         """Cancels an unfinished job: False when there is no such job, JobConflict when it has
         already finished."""
-        now = time.time()
         with self._write() as connection:
             status = connection.execute(
                 select(jobs.c.status).where(jobs.c.job_id == job_id)
@@ -304,21 +290,8 @@ class JobStore:
                 return False
             if status in FINISHED:
                 raise JobConflict(status)
-            connection.execute(
-                update(jobs)
-                .where(jobs.c.job_id == job_id)
-                .values(
-                    status=CANCELLED,
-                    error="cancelled by the client",
-                    owner=None,
-                    lease_expires_at=None,
-                    input_data=None,
-                    uri=None,
-                    updated_at=now,
-                    finished_at=now,
-                )
-            )
-            _add_event(connection, job_id, "end", _end_data(connection, job_id, CANCELLED, None))
+            _end_job(connection, jobs.c.job_id == job_id, CANCELLED, "cancelled by the client")
+            _add_end_event(connection, job_id, CANCELLED, None)
         return True
 
     def events_after(self, job_id: str, after: int, limit: int = 500) -> list[Event]:
@@ -398,22 +371,7 @@ class JobStore:
             )
 
     def load_input(self, job_id: str) -> JobInput | None:
-        with self._read() as connection:
-            row = connection.execute(select(jobs).where(jobs.c.job_id == job_id)).mappings().first()
-            if row is None:
-                return None
-            states = _chain_states(connection, job_id)
-        return JobInput(
-            job_id=job_id,
-            name=row["name"],
-            uri=row["uri"],
-            data=row["input_data"],
-            mime_type=row["mime_type"],
-            questions=tuple(json.loads(row["questions"])),
-            method=json.loads(row["method"]),
-            text=row["text"],
-            chains=states,
-        )
+        return self._load(job_id, _job_input)
 
     def save_document(
         self, job_id: str, owner: str, text: str, document: dict[str, Any], questions: Sequence[str]
@@ -434,98 +392,81 @@ class JobStore:
             ).rowcount
             if saved != 1:
                 return False
+            source = connection.execute(
+                select(jobs.c.source).where(jobs.c.job_id == job_id)
+            ).scalar_one()
             connection.execute(
                 insert(chains),
                 [
-                    {
-                        "job_id": job_id,
-                        "chain_index": index,
-                        "question": question,
-                        "n_segments": document["n_segments"],
-                        "step": 0,
-                        "memory": None,
-                        "status": "pending",
-                        "prompt_tokens": 0,
-                        "completion_tokens": 0,
-                        "compute_s": 0.0,
-                        "updated_at": now,
-                    }
+                    pending_chain_row(
+                        PlannedChain(chain_key(job_id, index), f"q{index}", question),
+                        run_id=job_id,
+                        doc_id=job_id,
+                        source_uri=source,
+                        n_segments=document["n_segments"],
+                        n_tokens=document["n_tokens"],
+                        now=now,
+                    )
                     for index, question in enumerate(questions)
                 ],
             )
         return True
 
-    def checkpoint(self, job_id: str, owner: str, step: StepWrite) -> bool:
-        """Advances a chain past `step` and records its event; False when the lease is gone."""
-        now = time.time()
-        key = and_(chains.c.job_id == job_id, chains.c.chain_index == step.chain_index)
+    def checkpoint(self, job_id: str, owner: str, chain_index: int, step: StepCheckpoint) -> bool:
+        """Advances chain `chain_index` past `step` (the project's checkpoint: a `steps` row
+        and the chain's `(step, memory)`) and records its event; False when the lease is gone."""
         with self._write() as connection:
             if not self._still_held(connection, owner, job_id):
                 return False
-            values: dict[str, Any] = {
-                "step": step.step + 1,
-                "memory": step.memory,
-                "prompt_tokens": chains.c.prompt_tokens + step.prompt_tokens,
-                "completion_tokens": chains.c.completion_tokens + step.completion_tokens,
-                "compute_s": chains.c.compute_s + step.latency_s,
-                "updated_at": now,
-            }
-            if step.final:
-                values |= {"status": "ok", "answer": step.answer, "raw_response": step.raw_response}
-            connection.execute(update(chains).where(key).values(**values))
-            if not step.final:
-                n_segments = connection.execute(select(chains.c.n_segments).where(key)).scalar()
+            write_step(connection, step)
+            if not step.done:
+                n_segments = connection.execute(
+                    select(chains.c.n_segments).where(chains.c.chain_key == step.chain_key)
+                ).scalar()
                 _add_event(
                     connection,
                     job_id,
                     "memory",
                     {
-                        "question_index": step.chain_index,
-                        "step": step.step,
-                        "segments_done": step.step + 1,
+                        "question_index": chain_index,
+                        "step": step.record.step,
+                        "segments_done": step.record.step + 1,
                         "segments_total": n_segments,
                         "memory": step.memory,
                     },
                 )
-            connection.execute(update(jobs).where(jobs.c.job_id == job_id).values(updated_at=now))
+            connection.execute(
+                update(jobs).where(jobs.c.job_id == job_id).values(updated_at=time.time())
+            )
         return True
 
     def fail_chain(self, job_id: str, owner: str, chain_index: int, error: str) -> bool:
-        now = time.time()
         with self._write() as connection:
             if not self._still_held(connection, owner, job_id):
                 return False
-            connection.execute(
-                update(chains)
-                .where(and_(chains.c.job_id == job_id, chains.c.chain_index == chain_index))
-                .values(status="error", error=error, updated_at=now)
-            )
+            write_failure(connection, chain_key(job_id, chain_index), error)
         return True
 
     def finish(self, job_id: str, owner: str, status: str, error: str | None = None) -> bool:
         """Ends a job the owner holds as succeeded or failed, with its `end` event."""
-        now = time.time()
         with self._write() as connection:
-            finished = connection.execute(
-                update(jobs)
-                .where(self._held_by(owner, [job_id]))
-                .values(
-                    status=status,
-                    error=error,
-                    owner=None,
-                    lease_expires_at=None,
-                    input_data=None,
-                    uri=None,
-                    updated_at=now,
-                    finished_at=now,
-                )
-            ).rowcount
-            if finished != 1:
+            if not _end_job(connection, self._held_by(owner, [job_id]), status, error):
                 return False
-            _add_event(connection, job_id, "end", _end_data(connection, job_id, status, error))
+            _add_end_event(connection, job_id, status, error)
         return True
 
     # --- plumbing ---------------------------------------------------------------------------
+
+    def _load(
+        self, job_id: str, build: Callable[[RowMapping, tuple[ChainState, ...]], T]
+    ) -> T | None:
+        """`build` applied to the job's row and chains; None when there is no such job."""
+        with self._read() as connection:
+            row = connection.execute(select(jobs).where(jobs.c.job_id == job_id)).mappings().first()
+            if row is None:
+                return None
+            states = _chain_states(connection, job_id, len(json.loads(row["questions"])))
+        return build(row, states)
 
     @staticmethod
     def _held_by(owner: str, job_ids: Sequence[str]) -> Any:
@@ -545,7 +486,7 @@ class JobStore:
             with self._writer.begin() as connection:
                 yield connection
         except SQLAlchemyError as error:
-            raise StoreError(f"job store {_safe_url(self.url)}: {_first_line(error)}") from None
+            raise StoreError(f"job store {self.safe_url}: {first_line(error)}") from None
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
@@ -553,43 +494,100 @@ class JobStore:
             with self._reader.connect() as connection:
                 yield connection
         except SQLAlchemyError as error:
-            raise StoreError(f"job store {_safe_url(self.url)}: {_first_line(error)}") from None
+            raise StoreError(f"job store {self.safe_url}: {first_line(error)}") from None
 
 
-def _chain_states(connection: Connection, job_id: str) -> tuple[ChainState, ...]:
-    rows = connection.execute(
-        select(chains).where(chains.c.job_id == job_id).order_by(chains.c.chain_index)
-    ).mappings()
-    return tuple(
-        ChainState(
-            chain_index=row["chain_index"],
-            question=row["question"],
-            n_segments=row["n_segments"],
-            step=row["step"],
-            memory=row["memory"],
-            status=row["status"],
-            answer=row["answer"],
-            raw_response=row["raw_response"],
-            error=row["error"],
-            prompt_tokens=row["prompt_tokens"],
-            completion_tokens=row["completion_tokens"],
-            compute_s=row["compute_s"],
-        )
-        for row in rows
+def _job_fields(row: RowMapping, states: tuple[ChainState, ...]) -> dict[str, Any]:
+    """What a JobState and a JobInput both say of a stored job."""
+    return {
+        "job_id": row["job_id"],
+        "name": row["name"],
+        "questions": tuple(json.loads(row["questions"])),
+        "method": json.loads(row["method"]),
+        "chains": states,
+    }
+
+
+def _job_state(row: RowMapping, states: tuple[ChainState, ...]) -> JobState:
+    return JobState(
+        **_job_fields(row, states),
+        status=row["status"],
+        source=row["source"],
+        document=json.loads(row["document"]) if row["document"] else None,
+        error=row["error"],
+        created_at=row["created_at"],
+        started_at=row["started_at"],
+        updated_at=row["updated_at"],
+        finished_at=row["finished_at"],
     )
 
 
-def _end_data(
-    connection: Connection, job_id: str, status: str, error: str | None
-) -> dict[str, Any]:
-    return {
-        "status": status,
-        "error": error,
-        "answers": [
-            {"question": s.question, "status": s.status, "answer": s.answer}
-            for s in _chain_states(connection, job_id)
-        ],
-    }
+def _job_input(row: RowMapping, states: tuple[ChainState, ...]) -> JobInput:
+    return JobInput(
+        **_job_fields(row, states),
+        uri=row["uri"],
+        data=row["input_data"],
+        mime_type=row["mime_type"],
+        text=row["text"],
+    )
+
+
+def chain_key(job_id: str, chain_index: int) -> str:
+    """The key of a job's chain in the `chains` table, and the chain's id."""
+    return f"{job_id}#q{chain_index}"
+
+
+def _chain_states(connection: Connection, job_id: str, n_questions: int) -> tuple[ChainState, ...]:
+    """The job's chains in question order; none before its document is read."""
+    keys = [chain_key(job_id, index) for index in range(n_questions)]
+    rows = connection.execute(
+        select(*(chains.c[name] for name in (*CHAIN_COLUMNS, "status"))).where(
+            chains.c.chain_key.in_(keys)
+        )
+    ).mappings()
+    by_key = {row["chain_key"]: row for row in rows}
+    return tuple(
+        ChainState(
+            chain_index=index,
+            status=ANSWER_STATUS.get(by_key[key]["status"], "pending"),
+            **{name: by_key[key][name] for name in CHAIN_COLUMNS},
+        )
+        for index, key in enumerate(keys)
+        if key in by_key
+    )
+
+
+def _end_job(
+    connection: Connection, which: ColumnElement[bool], status: str, error: str | None
+) -> bool:
+    """Ends the job `which` selects (if it does) as `status`: no lease, no input kept."""
+    now = time.time()
+    ended = connection.execute(
+        update(jobs)
+        .where(which)
+        .values(
+            status=status,
+            error=error,
+            owner=None,
+            lease_expires_at=None,
+            input_data=None,
+            uri=None,
+            updated_at=now,
+            finished_at=now,
+        )
+    ).rowcount
+    return ended == 1
+
+
+def _add_end_event(connection: Connection, job_id: str, status: str, error: str | None) -> None:
+    questions = connection.execute(
+        select(jobs.c.questions).where(jobs.c.job_id == job_id)
+    ).scalar_one()
+    answers = [
+        {"question": s.question, "status": s.status, "answer": s.answer}
+        for s in _chain_states(connection, job_id, len(json.loads(questions)))
+    ]
+    _add_event(connection, job_id, "end", {"status": status, "error": error, "answers": answers})
 
 
 def _add_event(connection: Connection, job_id: str, kind: str, data: dict[str, Any]) -> None:
@@ -603,44 +601,15 @@ def _add_event(connection: Connection, job_id: str, kind: str, data: dict[str, A
     )
 
 
-def _open_engines(url: str) -> tuple[Engine, Engine]:
+def _open_engines(url: URL) -> tuple[Engine, Engine]:
     """(writer, reader). PostgreSQL: one engine for both. SQLite: several replica processes
     write one file, so the writer takes the write lock when a transaction begins (waiting up to
     the busy timeout) and the reader, in WAL mode, reads beside it without taking any lock."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite":
-        engine = create_engine(url, pool_size=4, max_overflow=8, pool_pre_ping=True)
+    if url.get_backend_name() != "sqlite":
+        engine = open_store_engine(url, pool_size=4, max_overflow=8)
         return engine, engine
-    if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-    writer = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
-    reader = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
-    for engine in (writer, reader):
-        event.listen(engine, "connect", _configure_sqlite)
-
-    @event.listens_for(writer, "begin")
-    def begin_immediate(connection: Connection) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
-
+    if url.database and url.database != ":memory:":
+        Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    writer = open_store_engine(url, busy_timeout_ms=SQLITE_BUSY_TIMEOUT_MS)
+    reader = open_store_engine(url, write_lock=False, busy_timeout_ms=SQLITE_BUSY_TIMEOUT_MS)
     return writer, reader
-
-
-def _configure_sqlite(dbapi_connection: Any, _record: Any) -> None:
-    dbapi_connection.isolation_level = None  # SQLAlchemy's events decide where transactions begin
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
-
-
-def _safe_url(url: str) -> str:
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return "(invalid URL)"
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(getattr(error, "orig", None) or error)
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__

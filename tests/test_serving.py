@@ -27,9 +27,11 @@ import httpx
 import pytest
 import yaml
 
+from connectors.state_store import StepCheckpoint
+from pipeline.runner import StepRecord
 from serving.config import ServingConfig, ServingConfigError, config_from_mapping, load_config
 from serving.security import ApiKeys, bearer_token
-from serving.store import JobConflict, JobStore, NewJob, StepWrite
+from serving.store import JobConflict, JobStore, NewJob, chain_key
 from serving.uris import UriPolicy, UriRefused, redact_uri
 from tests.services import free_port
 
@@ -171,18 +173,22 @@ def test_job_store_leases_checkpoints_and_events(
     assert job_id not in store.claim("replica-2", 30, 100)  # leased to replica 1
     document = {"name": "a.txt", "parser": "text", "n_tokens": 9, "n_segments": 2}
     assert store.save_document(job_id, "replica-1", "hello", document, new.questions)
-    step = StepWrite(0, 0, False, "memory one", None, None, 10, 2, 0.1)
-    assert store.checkpoint(job_id, "replica-1", step)
-    assert not store.checkpoint(job_id, "replica-2", step)  # only the lease holder writes
+    record = StepRecord(
+        chain_key(job_id, 0), 0, "update", 0, 0, 5, 0, 20, "memory one", 10, 2, "stop", 0.1
+    )
+    step = StepCheckpoint(record, 1, "memory one", done=False, answer=None, raw_response=None)
+    assert store.checkpoint(job_id, "replica-1", 0, step)
+    assert not store.checkpoint(job_id, "replica-2", 0, step)  # only the lease holder writes
     store.release("replica-1", [job_id])  # e.g. a graceful shutdown
     assert job_id in store.claim("replica-2", 30, 100)
     resumed = store.load_input(job_id)
     assert resumed is not None and resumed.text == "hello" and resumed.data is None
     assert (resumed.chains[0].step, resumed.chains[0].memory) == (1, "memory one")
+    assert (resumed.chains[0].prompt_tokens, resumed.chains[0].status) == (10, "pending")
     assert resumed.chains[1].step == 0
     assert store.renew("replica-2", [job_id], 30) == {job_id}
     assert store.cancel(job_id)
-    assert not store.checkpoint(job_id, "replica-2", step)
+    assert not store.checkpoint(job_id, "replica-2", 0, step)
     assert store.renew("replica-2", [job_id], 30) == set()
     with pytest.raises(JobConflict):
         store.cancel(job_id)
