@@ -1,6 +1,6 @@
 """Planted-fact accuracy of memory strategies on the demo corpus, all chains on one engine.
 
-    .venv/bin/python bench/demo_strategies.py MODEL SCALE TEMPLATE[,TEMPLATE...]
+    .venv/bin/python bench/demo_strategies.py MODEL SCALE TEMPLATE[,TEMPLATE...] [CHUNK_SIZE]
 e.g. `qwen2.5-coder-0.5b-instruct 0.25 memagent-reference,append-evidence` (the README's table).
 """
 
@@ -18,13 +18,15 @@ from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
 from pipeline.runner import ChainRunner
 
 
-async def main(model: str, scale: float, templates: list[str]) -> None:
+async def main(model: str, scale: float, templates: list[str], chunk_size: int) -> None:
     spec = EngineSpec(model=model, enforce_eager=True, cpu_kvcache_space_gib=3, max_model_len=8192)
     engine, tokenizer = open_engine(spec), load_tokenizer(spec)
     documents = democorpus.generate(scale=scale)
     prepared, origins = [], []
     for template in templates:
-        method = MethodConfig(max_memory_tokens=256, max_answer_tokens=64, template=template)
+        method = MethodConfig(
+            chunk_size=chunk_size, max_memory_tokens=256, max_answer_tokens=64, template=template
+        )
         for document in documents:
             questions = [fact.question for fact in document.facts]
             doc_input = DocumentInput(f"{template}|{document.name}", document.text)
@@ -50,8 +52,10 @@ async def main(model: str, scale: float, templates: list[str]) -> None:
     for template, hits in found.items():
         print(f"{model} {template}: {sum(hits)}/{len(hits)} found, "
               f"{formatted[template]}/{len(hits)} in the answer format")  # fmt: skip
+    print(f"chunk size {chunk_size}")
     print(f"{steps} model calls in {elapsed:.0f} s ({elapsed / steps:.1f} s per call)")
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1], float(sys.argv[2]), sys.argv[3].split(",")))
+    chunk_size = int(sys.argv[4]) if len(sys.argv) > 4 else 5000
+    asyncio.run(main(sys.argv[1], float(sys.argv[2]), sys.argv[3].split(","), chunk_size))

@@ -72,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_arguments(demo)
     add_method_arguments(demo)
-    demo.set_defaults(handler=run_demo_command)
+    # A demo should start fast and finish in minutes on a laptop CPU: eager mode (no compile),
+    # and the short memory and answer budgets the demo's accuracy table was measured with.
+    demo.set_defaults(
+        handler=run_demo_command, enforce_eager=True, max_memory_tokens=256, max_answer_tokens=64
+    )
 
     from serving.cli import register as register_serve
 
