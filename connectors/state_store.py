@@ -223,6 +223,14 @@ class ErrorRecord:
     name: str | None = None
 
 
+@dataclass(frozen=True)
+class RunProgress:
+    steps_done: int
+    steps_planned: int
+    chains_done: int
+    chains_planned: int
+
+
 class StateStore:
     """Checkpoints and run membership in one database. Picklable: each process opens its own
     connection pool on first use."""
@@ -487,6 +495,22 @@ class StateStore:
         )
         with self._transaction() as connection:
             return {status: count for status, count in connection.execute(query)}
+
+    def progress(self, run_id: str, attempt: int) -> RunProgress:
+        """Model calls done and planned, and chains answered and planned, of the chains the
+        run's attempt has planned so far."""
+        query = (
+            select(
+                func.coalesce(func.sum(chains.c.step), 0),
+                func.coalesce(func.sum(chains.c.n_segments + 1), 0),
+                func.count().filter(chains.c.status == DONE),
+                func.count(),
+            )
+            .select_from(_joined(chains))
+            .where(_of_attempt(run_id, attempt))
+        )
+        with self._transaction() as connection:
+            return RunProgress(*connection.execute(query).one())
 
     def document_counts(self, run_id: str, attempt: int) -> tuple[int, int]:
         """(documents with answers rows, documents with error rows) of the run's attempt."""

@@ -18,6 +18,7 @@ from .config import MethodConfig
 from .core.extraction import string_match_any
 from .engines.factory import EngineSpec
 from .job import JobSpec, OutputSpec, run_job
+from .progress import progress_bar
 from .run_command import summary_table
 
 
@@ -34,7 +35,8 @@ def run_demo(output: Path, spec: EngineSpec, method: MethodConfig, scale: float)
         engine=spec,
         method=method,
     )
-    summary = run_job(job)
+    with progress_bar(console) as show_progress:
+        summary = run_job(job, on_progress=show_progress, progress_interval_s=2.0)
     Console().print(summary_table(summary))
 
     expected = {

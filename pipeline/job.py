@@ -39,6 +39,7 @@ from .core.templates import get_template_set
 from .engines.base import EngineError
 from .engines.factory import EngineSpec, load_tokenizer, open_engine
 from .outputs import ResultWriter, RunIdentity
+from .progress import ProgressCallback, log_progress, watching
 from .stages import (
     ENGINE_ACTOR_ENV,
     MemoryStage,
@@ -445,8 +446,13 @@ class _Tally:
             self.completion_tokens += row["completion_tokens"]
 
 
-def run_job(spec: JobSpec) -> RunSummary:
-    """Runs the job to the end and exports its tables; see the module docstring."""
+def run_job(
+    spec: JobSpec,
+    on_progress: ProgressCallback = log_progress,
+    progress_interval_s: float = 10.0,
+) -> RunSummary:
+    """Runs the job to the end and exports its tables; see the module docstring. While it
+    runs, `on_progress` gets the model calls and chains done so far (by default, a log line)."""
     started, started_at = time.perf_counter(), time.time()
     plan = plan_job(spec)
     items = list_items(plan.sources)
@@ -464,10 +470,10 @@ def run_job(spec: JobSpec) -> RunSummary:
     started_ray = _ensure_ray(spec.ray_address)
     tally = _Tally()
     try:
-        for batch in _build_dataset(plan, run, items).iter_batches(
-            batch_format="pyarrow", batch_size=None
-        ):
-            tally.add(batch.to_pylist())
+        dataset = _build_dataset(plan, run, items)
+        with watching(plan.store, plan.run_id, attempt, on_progress, progress_interval_s):
+            for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
+                tally.add(batch.to_pylist())
     except BaseException:
         with contextlib.suppress(Exception):  # keep the error that stopped the run
             plan.store.finish_run(plan.run_id, FAILED)
@@ -486,6 +492,8 @@ def _build_dataset(plan: JobPlan, run: RunContext, items: list[dict[str, Any]]) 
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
     concurrency = plan.spec.concurrency
+    # Blocks done per operator say little here; progress comes from the state store instead.
+    ray.data.DataContext.get_current().enable_progress_bars = False
     # One block per item (up to a cap) lets documents flow into the memory stage one by one.
     dataset = ray.data.from_items(items, override_num_blocks=min(len(items), MAX_INPUT_BLOCKS))
     read_compute = TaskPoolStrategy(size=concurrency.read_tasks)

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .job import JobError, JobSpec, RunSummary, load_job_spec, run_job
+from .progress import progress_bar
 
 EXIT_PARTIAL_FAILURE = 1
 
@@ -102,7 +103,8 @@ def register(subparsers: Any) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     spec = spec_from_arguments(args)
-    summary = run_job(spec)
+    with progress_bar(Console(stderr=True)) as show_progress:
+        summary = run_job(spec, on_progress=show_progress, progress_interval_s=2.0)
     Console().print(summary_table(summary))
     return 0 if summary.ok else EXIT_PARTIAL_FAILURE
 

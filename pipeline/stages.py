@@ -407,10 +407,6 @@ class MemoryStage:
         # Store calls block; one thread per actor keeps them off the event loop, in order.
         self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="memstream-store")
         self._closed = threading.Event()
-        # Ray Data's async actors keep the UDF referenced until the process exits, so __del__
-        # alone would come too late: multiprocessing's exit hook would wait on the engine's
-        # processes forever. Exit hooks run last-registered first, so this one runs before it.
-        atexit.register(self.close)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         documents = batch.to_pylist()
@@ -490,6 +486,11 @@ class MemoryStage:
                 # Blocks the actor's event loop while the engine starts; no chain of this
                 # actor could move without it anyway.
                 self.engine = open_engine(self.run.engine)
+                # Ray Data's async actors keep the UDF referenced until the process exits, so
+                # __del__ would come too late: multiprocessing's exit hook would wait forever
+                # on the engine's processes. Exit hooks run last-registered first; registered
+                # here, after the engine imported multiprocessing, this one runs before it.
+                atexit.register(self.close)
                 self._runner = ChainRunner(
                     self.engine, self.run.method.sampling(), self.max_active_chains
                 )

@@ -33,6 +33,7 @@ import yaml
 from connectors.state_store import (
     DocumentRecord,
     PlannedChain,
+    RunProgress,
     StateStore,
     StepCheckpoint,
 )
@@ -299,6 +300,8 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
     store.record_step(step("key-1", 1))
     checkpoint = store.load_checkpoint("key-1")
     assert (checkpoint.status, checkpoint.step, checkpoint.memory) == ("running", 2, "memory 1")
+    # two chains of two segments: three calls each, two done
+    assert store.progress("run-a", 1) == RunProgress(2, 6, 0, 2)
 
     # a crash, then a rerun: a new attempt re-plans the same chains and keeps their progress
     assert store.begin_run("run-a", {"what": "test"}) == 2
@@ -318,6 +321,7 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
     assert [row["step"] for row in store.trajectory("run-a", 2)] == [0, 1, 2]
     assert list(store.answers("run-a", 1)) == []  # the first attempt's rows moved on
     assert store.chain_status_counts("run-a", 2) == {"done": 1, "failed": 1}
+    assert store.progress("run-a", 2) == RunProgress(3, 6, 1, 2)
     assert store.document_counts("run-a", 2) == (1, 0)
     assert 0.5 <= store.busy_window("run-a", 2, since=0) < 60
 
@@ -432,6 +436,14 @@ def test_local_job_answers_every_document_or_says_why(
     assert summary.tokens == trajectory.prompt_tokens.sum() + trajectory.completion_tokens.sum()
     manifest = json.loads(Path(summary.outputs["manifest"]).read_text())
     assert manifest["counts"]["answers_rows"] == 5 and manifest["run_id"] == summary.run_id
+
+    rerun = run_job(job(sources=[str(local_inputs)], questions=[QUESTION], output=str(output)))
+    assert rerun.attempt == 2 and rerun.chains_skipped == 5 and rerun.prompt_tokens == 0
+    again = duckdb.sql(f"SELECT * FROM '{rerun.outputs['answers']}'").df()
+    by_chain = ["source_uri", "question_id"]
+    assert again.sort_values(by_chain).raw_response.tolist() == (
+        answers.sort_values(by_chain).raw_response.tolist()
+    )
 
 
 def assert_complete_trajectories(answers: pd.DataFrame, trajectory: pd.DataFrame) -> None:
@@ -562,6 +574,34 @@ def test_kill_minus_9_mid_run_then_rerun_gives_each_answer_once(
     assert rerun.prompt_tokens < trajectory.prompt_tokens.sum()
 
 
+@pytest.mark.engine
+def test_memstream_run_shows_progress_and_leaves_no_process_behind(
+    corpora: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "rfc.txt").write_text(excerpt_of_text(corpora, 3000))
+    marker = uuid.uuid4().hex
+    command = [
+        sys.executable, "-m", "pipeline.cli", "run", "--input", str(tmp_path / "rfc.txt"),
+        "--question", QUESTION, "--output", str(tmp_path / "out"),
+        "--model", TEST_MODEL, "--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "2048",
+        "--chunk-size", "300", "--max-memory-tokens", "24", "--max-answer-tokens", "24",
+    ]  # fmt: skip
+    environment = {**os.environ, "MEMSTREAM_TEST_RUN": marker, WORKER_NICENESS[0]: "0"}
+    try:
+        result = subprocess.run(
+            command, env=environment, capture_output=True, text=True, timeout=900
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "model calls" in result.stderr and "chains answered 1/1" in result.stderr
+        assert "answered" in result.stdout
+        deadline = time.monotonic() + 60
+        while (left := processes_marked(marker)) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not left, f"processes left running after the job: {left}"
+    finally:
+        kill_processes_marked(marker)
+
+
 def wait_for_progress(
     state: Path, *, process: subprocess.Popen, timeout: float
 ) -> dict[str, float]:
@@ -594,20 +634,26 @@ def count_answered(state: Path) -> int:
         return connection.execute("SELECT count(*) FROM chains WHERE status = 'done'").fetchone()[0]
 
 
-def kill_processes_marked(marker: str) -> None:
-    """SIGKILLs what the killed run left behind (its Ray workers and engine processes are in
-    other process groups), found by the marker in their environment."""
+def processes_marked(marker: str) -> list[int]:
+    """Processes started with the marker in their environment (Ray workers and engine
+    processes are in process groups of their own)."""
     needle = f"MEMSTREAM_TEST_RUN={marker}".encode()
+    marked = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                marked.append(int(entry.name))
+        except OSError:
+            continue
+    return marked
+
+
+def kill_processes_marked(marker: str) -> None:
+    """SIGKILLs what a run left behind, found by the marker in their environment."""
     for _ in range(20):
-        marked = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    marked.append(int(entry.name))
-            except OSError:
-                continue
+        marked = processes_marked(marker)
         if not marked:
             return
         for pid in marked:
