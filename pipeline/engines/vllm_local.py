@@ -101,6 +101,10 @@ class VLLMEngine:
             latency_s=time.perf_counter() - started,
         )
 
+    async def reset_prefix_cache(self) -> None:
+        """Forgets the KV cached for earlier prompts, so a measurement can start cold."""
+        await self._llm.reset_prefix_cache()
+
     async def shutdown(self) -> None:
         # Dropping the reference right after shutdown keeps AsyncLLM.__del__ from running it
         # again at interpreter exit, when its helpers are already gone.
