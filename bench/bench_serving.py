@@ -333,7 +333,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=BenchSettings.model)
     parser.add_argument("--url", help="a running `memstream serve` (its key in MEMSTREAM_API_KEY)")
     parser.add_argument("--skip-in-process", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="1 and 4 clients, 4 requests a level")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.requests_per_client, args.min_requests = [1, 4], 1, 4
     settings = BenchSettings(
         model=args.model,
         requests_per_client=args.requests_per_client,

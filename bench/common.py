@@ -1,16 +1,36 @@
-"""Shared bits of the benchmarks: a mixed-length corpus of real text, and result writers."""
+"""Shared bits of the benchmarks: a mixed-length corpus of real text, the options and engine
+settings they share, a process-tree memory sampler, Markdown tables and result writers."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import os
 import platform
+import threading
 import time
+from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from pipeline import models
+from pipeline.config import MethodConfig
+from pipeline.core.chain import MemoryChain
+from pipeline.engines.base import GenerationRequest
+from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+from pipeline.runner import ChainResult, ChainRunner
 
 REPO = Path(__file__).resolve().parents[1]
 CORPORA = REPO.parent / "shared" / "corpora"
 RESULTS = REPO / "bench" / "results"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def real_text(min_chars: int) -> str:
@@ -51,3 +71,112 @@ def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown + "\n")
     print(markdown)
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every engine benchmark has: model, chunk and memory sizes, and --quick."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--chunk-size", type=int, default=1000)
+    parser.add_argument("--max-memory-tokens", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="small sizes: a minute or two")
+    return parser
+
+
+def bench_method(args: argparse.Namespace, template: str = "memagent-reference") -> MethodConfig:
+    return MethodConfig(chunk_size=args.chunk_size, max_memory_tokens=args.max_memory_tokens,
+                        max_answer_tokens=32, template=template)  # fmt: skip
+
+
+def engine_config(args: argparse.Namespace, kv_cache_gib: int = 2) -> VLLMEngineConfig:
+    """Eager mode (about 40 s start-up on a CPU), a context that fits an update step."""
+    needed = args.chunk_size + 2 * args.max_memory_tokens + 512
+    return VLLMEngineConfig(model=models.resolve(args.model), max_model_len=max(4096, needed),
+                            enforce_eager=True, cpu_kvcache_space_gib=kv_cache_gib)  # fmt: skip
+
+
+def load_tokenizer(config: VLLMEngineConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(config.model)
+
+
+def processed_tokens(results: Iterable[ChainResult]) -> int:
+    return sum(result.prompt_tokens + result.completion_tokens for result in results)
+
+
+@contextlib.asynccontextmanager
+async def warm_engine(config: VLLMEngineConfig) -> AsyncIterator[VLLMEngine]:
+    """An engine that has answered one short request, shut down on leaving."""
+    engine = VLLMEngine(config)
+    try:
+        await engine.generate(GenerationRequest("warm-up", "Hello.", 4))
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+async def timed_run(runner: ChainRunner, chains: Sequence[MemoryChain]) -> dict[str, Any]:
+    """Runs the chains at once: seconds, model calls, processed tokens, failed chains."""
+    started = time.perf_counter()
+    results = await runner.run(chains)
+    return {
+        "seconds": time.perf_counter() - started,
+        "model_calls": sum(len(result.trajectory) for result in results),
+        "processed_tokens": processed_tokens(results),
+        "failed": sum(result.status != "ok" for result in results),
+    }
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """Markdown table lines."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
+def tree_rss() -> int:
+    """Summed RSS in bytes of this process and its descendants (vLLM's engine core and worker).
+    Pages shared between them count once per process, so this is an upper bound."""
+    me = psutil.Process()
+    total = 0
+    for process in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += process.memory_info().rss
+    return total
+
+
+class PeakRss:
+    """Samples `tree_rss` in a thread; `peak_bytes` is the highest since the last `reset`."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._peak = tree_rss()
+
+    @property
+    def peak_bytes(self) -> int:
+        self._update()
+        return self._peak
+
+    def _update(self) -> None:
+        rss = tree_rss()
+        with self._lock:
+            self._peak = max(self._peak, rss)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._update()

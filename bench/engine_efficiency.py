@@ -9,16 +9,20 @@ Reports wall time, tokens/s and their ratio, measured one after the other in one
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
-import os
 import time
 from typing import Any
 
-from common import documents_of_lengths, write_results
+from common import (
+    bench_method,
+    bench_parser,
+    documents_of_lengths,
+    engine_config,
+    load_tokenizer,
+    write_results,
+)
 
-from pipeline import models
 from pipeline.ask import DocumentInput, PreparedDocument, prepare
 from pipeline.config import MethodConfig
 from pipeline.engines.base import Completion, GenerationRequest
@@ -116,27 +120,18 @@ def run_step_synchronous(config: VLLMEngineConfig, documents, method):  # type: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser = bench_parser(__doc__)
     parser.add_argument(
         "--lengths",
-        default="1000,2000,4000,8000,16000",
-        help="document lengths in tokens (the issue's full run: 4000..200000)",
+        help="document tokens; default 1000,2000,4000,8000,16000; full run 4000..200000",
     )
     parser.add_argument("--questions", type=int, default=2)
-    parser.add_argument("--chunk-size", type=int, default=1000)
-    parser.add_argument("--max-memory-tokens", type=int, default=64)
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    args.lengths = args.lengths or ("1000,2000" if args.quick else "1000,2000,4000,8000,16000")
     lengths = [int(n) for n in args.lengths.split(",")]
-    method = MethodConfig(chunk_size=args.chunk_size, max_memory_tokens=args.max_memory_tokens,
-                          max_answer_tokens=32)  # fmt: skip
-    path = models.resolve(args.model)
-    config = VLLMEngineConfig(model=path, max_model_len=4096, enforce_eager=True,
-                              cpu_kvcache_space_gib=2)  # fmt: skip
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    method = bench_method(args)
+    config = engine_config(args)
+    tokenizer = load_tokenizer(config)
     memstream = asyncio.run(
         run_memstream(config, build(tokenizer, lengths, args.questions, method), method)
     )

@@ -1,0 +1,178 @@
+"""Pipeline overhead: the Ray Data corpus job against the ChainRunner alone, on one corpus.
+
+A small corpus of real text (six documents of 2,000-8,000 tokens, written to a temporary folder
+as .txt files) and one question, answered (a) in this process: read the files, tokenize, start
+one engine, run every chain at once with the ChainRunner; and (b) by `pipeline.job.run_job` on
+a fresh local Ray session: listing, read and parse tasks, segment tasks, the memory actor with
+its own engine, checkpoints in SQLite, Parquet export. Same model, method and engine settings;
+the runner goes first, then the job, never both at once.
+
+End to end counts everything each path needs (for the job: Ray start-up and shutdown too);
+steady state counts from the first model call to the last (the job's `busy_s`).
+
+    .venv/bin/python bench/pipeline_overhead.py [--quick]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import common
+import psutil
+
+from pipeline.ask import DocumentInput, prepare
+from pipeline.config import MethodConfig
+from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+from pipeline.job import JobSpec, run_job
+from pipeline.runner import ChainRunner
+
+QUESTION = "What is this document about?"
+# Ray renices its workers to 15 by default; the runner does not, so the engine would be starved
+# behind other work only in the job.
+os.environ.setdefault("RAY_worker_niceness", "0")
+# Marks this run's Ray processes, which leave this process tree once the session is shut down.
+MARKER = ("MEMSTREAM_BENCH_RUN", uuid.uuid4().hex)
+os.environ[MARKER[0]] = MARKER[1]
+
+
+async def run_in_process(
+    config: VLLMEngineConfig, folder: Path, method: MethodConfig
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    tokenizer = common.load_tokenizer(config)
+    documents = [
+        prepare(DocumentInput(path.stem, path.read_text()), [QUESTION], tokenizer, method)
+        for path in sorted(folder.glob("*.txt"))
+    ]
+    chains = [chain for document in documents for chain in document.chains]
+    engine = VLLMEngine(config)
+    try:
+        runner = ChainRunner(engine, method.sampling(), max_active_chains=64)
+        run = await common.timed_run(runner, chains)
+        seconds = time.perf_counter() - started
+    finally:
+        await engine.shutdown()
+    return throughput(run["processed_tokens"], len(chains) - run["failed"], seconds, run["seconds"])
+
+
+def run_ray_job(args: Any, folder: Path, output: Path, method: MethodConfig) -> dict[str, Any]:
+    config = common.engine_config(args)
+    spec = JobSpec.from_dict({
+        "sources": [str(folder)],
+        "questions": [QUESTION],
+        "output": str(output),
+        "engine": {"model": args.model, "max_model_len": config.max_model_len,
+                   "enforce_eager": True, "cpu_kvcache_space_gib": config.cpu_kvcache_space_gib},
+        "method": method.as_dict(),
+        "ray_address": "local",  # a fresh local session, started and stopped inside the timing
+    })  # fmt: skip
+    summary = run_job(spec)
+    measured = throughput(summary.tokens, summary.chains_worked, summary.elapsed_s, summary.busy_s)
+    return {**measured, "ok": summary.ok, "leftover_processes": end_leftovers()}
+
+
+def end_leftovers(grace_s: float = 30.0) -> int:
+    """Ends this run's processes still alive `grace_s` after the job returned (a memory-stage
+    actor whose engine did not shut down, say); returns how many there were."""
+    deadline = time.monotonic() + grace_s
+    while (left := marked_processes()) and time.monotonic() < deadline:
+        time.sleep(1)
+    for process in left:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    for process in psutil.wait_procs(left, timeout=20)[1]:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    return len(left)
+
+
+def marked_processes() -> list[psutil.Process]:
+    mine = {psutil.Process().pid, *(p.pid for p in psutil.Process().children(recursive=True))}
+    marked = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.pid not in mine and process.environ().get(MARKER[0]) == MARKER[1]:
+                marked.append(process)
+    return marked
+
+
+def throughput(tokens: int, chains: int, seconds: float, busy_s: float) -> dict[str, Any]:
+    return {
+        "tokens": tokens,
+        "chains": chains,
+        "seconds": seconds,
+        "busy_s": busy_s,
+        "tokens_per_s": tokens / seconds,
+        "chains_per_s": chains / seconds,
+        "busy_tokens_per_s": tokens / busy_s,
+        "busy_chains_per_s": chains / busy_s,
+        "load_1min_after": os.getloadavg()[0],  # other work on the machine skews both paths
+    }
+
+
+def main() -> None:
+    parser = common.bench_parser(__doc__)
+    parser.add_argument("--lengths", help="document tokens; default 2000,3000,4000,5000,6500,8000")
+    args = parser.parse_args()
+    args.lengths = args.lengths or (
+        "1000,1500,2000" if args.quick else "2000,3000,4000,5000,6500,8000"
+    )
+    lengths = [int(n) for n in args.lengths.split(",")]
+    method = common.bench_method(args)
+    config = common.engine_config(args)
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as temporary:
+        folder = Path(temporary) / "corpus"
+        folder.mkdir()
+        for doc_id, text in common.documents_of_lengths(common.load_tokenizer(config), lengths):
+            (folder / f"{doc_id}.txt").write_text(text)
+        runner = asyncio.run(run_in_process(config, folder, method))
+        print(f"runner: {runner['seconds']:.1f} s", flush=True)
+        job = run_ray_job(args, folder, Path(temporary) / "output", method)
+        print(f"job: {job['seconds']:.1f} s", flush=True)
+    ratios = {key: job[key] / runner[key] for key in ("tokens_per_s", "busy_tokens_per_s")}
+    cells = [
+        (name, r["chains"], r["tokens"], f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.0f}",
+         f"{r['chains_per_s']:.3f}", f"{r['busy_s']:.1f}", f"{r['busy_tokens_per_s']:.0f}",
+         f"{r['busy_chains_per_s']:.3f}", f"{r['load_1min_after']:.1f}")
+        for name, r in (("ChainRunner in process", runner), ("Ray Data job", job))
+    ]  # fmt: skip
+    header = ["path", "chains", "tokens", "end-to-end s", "tokens/s", "chains/s",
+              "steady s", "steady tokens/s", "steady chains/s", "1-min load after"]  # fmt: skip
+    notes = [] if job["ok"] else ["**The job reported errors or unanswered chains.**"]
+    if job["leftover_processes"]:
+        notes.append(
+            f"**{job['leftover_processes']} process(es) of the job's Ray session (its memory-stage "
+            "actor and engine) were still running 30 s after `run_job` returned; the benchmark "
+            "ended them.**"
+        )
+    markdown = "\n".join([
+        f"Pipeline overhead, {args.model}, {len(lengths)} documents of {args.lengths} tokens of "
+        f"real text, 1 question, chunk {args.chunk_size}, memory {args.max_memory_tokens} "
+        "tokens, eager, one engine each, one after the other",
+        "",
+        *common.table(header, cells),
+        "",
+        f"job / runner tokens/s: **{ratios['tokens_per_s']:.2f}x** end to end, "
+        f"**{ratios['busy_tokens_per_s']:.2f}x** steady state.",
+        "",
+        "End to end: the runner from reading the files to the last answer (engine start-up "
+        "included, shutdown not); the job from `run_job` to its return (Ray start-up, engine "
+        "start-up, Parquet export and Ray shutdown included). Steady: first model call to last.",
+        *[line for note in notes for line in ("", note)],
+    ])  # fmt: skip
+    common.write_results(
+        "pipeline_overhead",
+        {"args": vars(args), "runner": runner, "job": job, "ratios": ratios},
+        markdown,
+    )
+
+
+if __name__ == "__main__":
+    main()
