@@ -5,6 +5,9 @@ TEST_MODEL ?= smollm2-135m-instruct
 # Document size factor of the demo corpus: 0.4 gives 8K-36K-token documents and fits the
 # 20-minute budget of a fresh 2-core machine; 1.0 gives 20K-90K.
 DEMO_SCALE ?= 0.4
+# `make bench` takes roughly 30-45 minutes on a quiet 2-core machine. BENCH_ARGS=--quick runs
+# small sizes; --with-serving adds the slow serving benchmark. Results: bench/results/SUMMARY.md.
+BENCH_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -27,7 +30,7 @@ test-fast: setup
 	$(BIN)/pytest -q -m "not engine and not server"
 
 bench: setup models
-	$(BIN)/python bench/run.py
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
