@@ -594,6 +594,9 @@ def test_memstream_run_shows_progress_and_leaves_no_process_behind(
         assert result.returncode == 0, result.stderr[-3000:]
         assert "model calls" in result.stderr and "chains answered 1/1" in result.stderr
         assert "answered" in result.stdout
+        (answers_file,) = (tmp_path / "out").glob("*/answers.parquet")
+        answers = pd.read_parquet(answers_file)
+        assert answers.status.tolist() == ["done"] and answers.raw_response.str.len().min() > 0
         deadline = time.monotonic() + 60
         while (left := processes_marked(marker)) and time.monotonic() < deadline:
             time.sleep(1)
