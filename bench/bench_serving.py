@@ -22,9 +22,6 @@ import json
 import math
 import os
 import platform
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,9 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from serving.process import ServerNotReady, ServerProcess, free_port, http_ok
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 RESULTS = REPO / "bench" / "results"
+
 API_KEY = "bench-key-" + "5d1e0c8b7a6f4e3d"
 Ask = Callable[[int], Awaitable[bool]]  # answers document i; True when it succeeded
 
@@ -200,68 +199,33 @@ def method_config(settings: BenchSettings) -> Any:
     )
 
 
-class ServeSubprocess:
-    """`python -m serving.cli serve` on a free loopback port, stopped by its PID."""
-
-    def __init__(self, settings: BenchSettings, folder: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = {
-            "server": {"host": "127.0.0.1", "port": self.port},
-            "engine": engine_spec(settings),
-            "method": {
-                "chunk_size": settings.chunk_size,
-                "max_memory_tokens": settings.max_memory_tokens,
-                "max_answer_tokens": settings.max_answer_tokens,
-            },
-            "store": {"url": f"sqlite:///{folder / 'serving.db'}"},
-            "auth": {"require_keys": True},
-        }
-        self.config_path = folder / "serve.yaml"
-        self.config_path.write_text(json.dumps(config))  # JSON is YAML
-        self.log = folder / "serve.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 900) -> float:
-        import httpx
-
-        started = time.monotonic()
-        env = {**os.environ, "MEMSTREAM_API_KEYS": API_KEY}
-        env.pop("RAY_ADDRESS", None)
-        with self.log.open("wb") as output:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "serving.cli", "serve", "--config", str(self.config_path)],
-                cwd=REPO,
-                env=env,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        while time.monotonic() - started < timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"memstream serve exited; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"memstream serve not ready after {timeout:.0f} s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def start_serve(settings: BenchSettings, folder: Path) -> tuple[ServerProcess, str, float]:
+    """`python -m serving.cli serve` on a free loopback port: the process, its URL, start-up s."""
+    port = free_port()
+    config = {
+        "server": {"host": "127.0.0.1", "port": port},
+        "engine": engine_spec(settings),
+        "method": {
+            "chunk_size": settings.chunk_size,
+            "max_memory_tokens": settings.max_memory_tokens,
+            "max_answer_tokens": settings.max_answer_tokens,
+        },
+        "store": {"url": f"sqlite:///{folder / 'serving.db'}"},
+        "auth": {"require_keys": True},
+    }
+    config_path = folder / "serve.yaml"
+    config_path.write_text(json.dumps(config))  # JSON is YAML
+    env = {**os.environ, "MEMSTREAM_API_KEYS": API_KEY}
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "serving.cli", "serve", "--config", str(config_path)]
+    server = ServerProcess(command, folder / "serve.log", env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        startup_s = server.wait_until(http_ok(f"{url}/healthz"), "memstream serve", timeout=900)
+    except ServerNotReady:
+        server.stop(grace=180)
+        raise
+    return server, url, startup_s
 
 
 def overheads(measurements: Sequence[Measurement]) -> list[dict[str, Any]]:
@@ -359,12 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         measurements = asyncio.run(measure(settings, args.url, key, in_process))
     else:
         with tempfile.TemporaryDirectory(prefix="bench-serving-") as folder:
-            server = ServeSubprocess(settings, Path(folder))
+            server, url, startup_s = start_serve(settings, Path(folder))
+            report["serve_startup_s"] = round(startup_s, 1)
             try:
-                report["serve_startup_s"] = round(server.start(), 1)
-                measurements = asyncio.run(measure(settings, server.url, API_KEY, in_process))
+                measurements = asyncio.run(measure(settings, url, API_KEY, in_process))
             finally:
-                server.stop()
+                server.stop(grace=180)
     report["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     report["measurements"] = [asdict(m) for m in measurements]
     report["overhead"] = overheads(measurements)

@@ -1,16 +1,21 @@
 """Pipeline overhead: the Ray Data corpus job against the ChainRunner alone, on one corpus.
 
-A small corpus of real text (six documents of 2,000-8,000 tokens, written to a temporary folder
-as .txt files) and one question, answered (a) in this process: read the files, tokenize, start
-one engine, run every chain at once with the ChainRunner; and (b) by `pipeline.job.run_job` on
-a fresh local Ray session: listing, read and parse tasks, segment tasks, the memory actor with
-its own engine, checkpoints in SQLite, Parquet export. Same model, method and engine settings;
-the runner goes first, then the job, never both at once.
+By default a small corpus of real text (six documents of 2,000-8,000 tokens, written to a
+temporary folder as .txt files) and one question; with --sources, the given files, folders or
+globs (PDFs, logs, texts: ../shared/corpora, say) and the --question(s). They are answered
+(a) in this process: read and parse the files, tokenize, start one engine, run every chain at
+once with the ChainRunner; and (b) by `pipeline.job.run_job` on a fresh local Ray session:
+listing, read and parse tasks, segment tasks, the memory actor with its own engine, checkpoints
+in SQLite, Parquet export. Same model, method and engine settings; the runner goes first, then
+the job, never both at once.
 
 End to end counts everything each path needs (for the job: Ray start-up and shutdown too);
 steady state counts from the first model call to the last (the job's `busy_s`).
 
     .venv/bin/python bench/pipeline_overhead.py [--quick]
+    .venv/bin/python bench/pipeline_overhead.py --sources ../shared/corpora/pdfs \
+        ../shared/corpora/text '../shared/corpora/logs/*/*.log' --question Q1 --question Q2 \
+        --chunk-size 5000 --max-memory-tokens 256 --template segment-first
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from typing import Any
 import common
 import psutil
 
-from pipeline.ask import DocumentInput, prepare
+from connectors.local import expand_paths
+from pipeline.ask import prepare
+from pipeline.ask_command import read_documents
 from pipeline.config import MethodConfig
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec, run_job
@@ -43,14 +50,12 @@ os.environ[MARKER[0]] = MARKER[1]
 
 
 async def run_in_process(
-    config: VLLMEngineConfig, folder: Path, method: MethodConfig
+    config: VLLMEngineConfig, sources: list[str], questions: list[str], method: MethodConfig
 ) -> dict[str, Any]:
     started = time.perf_counter()
     tokenizer = common.load_tokenizer(config)
-    documents = [
-        prepare(DocumentInput(path.stem, path.read_text()), [QUESTION], tokenizer, method)
-        for path in sorted(folder.glob("*.txt"))
-    ]
+    readable, _unreadable = read_documents(list(expand_paths(sources)))
+    documents = [prepare(document, questions, tokenizer, method) for document in readable]
     chains = [chain for document in documents for chain in document.chains]
     engine = VLLMEngine(config)
     try:
@@ -62,11 +67,13 @@ async def run_in_process(
     return throughput(run["processed_tokens"], len(chains) - run["failed"], seconds, run["seconds"])
 
 
-def run_ray_job(args: Any, folder: Path, output: Path, method: MethodConfig) -> dict[str, Any]:
+def run_ray_job(
+    args: Any, sources: list[str], questions: list[str], output: Path, method: MethodConfig
+) -> dict[str, Any]:
     config = common.engine_config(args)
     spec = JobSpec.from_dict({
-        "sources": [str(folder)],
-        "questions": [QUESTION],
+        "sources": sources,
+        "questions": questions,
         "output": str(output),
         "engine": {"model": args.model, "max_model_len": config.max_model_len,
                    "enforce_eager": True, "cpu_kvcache_space_gib": config.cpu_kvcache_space_gib},
@@ -76,6 +83,14 @@ def run_ray_job(args: Any, folder: Path, output: Path, method: MethodConfig) -> 
     summary = run_job(spec)
     measured = throughput(summary.tokens, summary.chains_worked, summary.elapsed_s, summary.busy_s)
     return {**measured, "ok": summary.ok, "leftover_processes": end_leftovers()}
+
+
+def generated_corpus(folder: Path, args: Any, config: VLLMEngineConfig) -> Path:
+    folder.mkdir()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    for doc_id, text in common.documents_of_lengths(common.load_tokenizer(config), lengths):
+        (folder / f"{doc_id}.txt").write_text(text)
+    return folder
 
 
 def end_leftovers(grace_s: float = 30.0) -> int:
@@ -120,21 +135,21 @@ def throughput(tokens: int, chains: int, seconds: float, busy_s: float) -> dict[
 def main() -> None:
     parser = common.bench_parser(__doc__)
     parser.add_argument("--lengths", help="document tokens; default 2000,3000,4000,5000,6500,8000")
+    parser.add_argument("--sources", nargs="+", help="files, folders or globs instead of --lengths")
+    parser.add_argument("--question", action="append", dest="questions", metavar="Q")
+    parser.add_argument("--template", default="memagent-reference")
     args = parser.parse_args()
     args.lengths = args.lengths or (
         "1000,1500,2000" if args.quick else "2000,3000,4000,5000,6500,8000"
     )
-    lengths = [int(n) for n in args.lengths.split(",")]
-    method = common.bench_method(args)
+    questions = args.questions or [QUESTION]
+    method = common.bench_method(args, args.template)
     config = common.engine_config(args)
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as temporary:
-        folder = Path(temporary) / "corpus"
-        folder.mkdir()
-        for doc_id, text in common.documents_of_lengths(common.load_tokenizer(config), lengths):
-            (folder / f"{doc_id}.txt").write_text(text)
-        runner = asyncio.run(run_in_process(config, folder, method))
+        sources = args.sources or [str(generated_corpus(Path(temporary) / "corpus", args, config))]
+        runner = asyncio.run(run_in_process(config, sources, questions, method))
         print(f"runner: {runner['seconds']:.1f} s", flush=True)
-        job = run_ray_job(args, folder, Path(temporary) / "output", method)
+        job = run_ray_job(args, sources, questions, Path(temporary) / "output", method)
         print(f"job: {job['seconds']:.1f} s", flush=True)
     ratios = {key: job[key] / runner[key] for key in ("tokens_per_s", "busy_tokens_per_s")}
     cells = [
@@ -152,10 +167,14 @@ def main() -> None:
             "actor and engine) were still running 30 s after `run_job` returned; the benchmark "
             "ended them.**"
         )
+    corpus = (
+        f"the documents of {' '.join(args.sources)}" if args.sources
+        else f"documents of {args.lengths} tokens of real text"
+    )  # fmt: skip
     markdown = "\n".join([
-        f"Pipeline overhead, {args.model}, {len(lengths)} documents of {args.lengths} tokens of "
-        f"real text, 1 question, chunk {args.chunk_size}, memory {args.max_memory_tokens} "
-        "tokens, eager, one engine each, one after the other",
+        f"Pipeline overhead, {args.model}, {corpus}, {len(questions)} question(s), "
+        f"{args.template}, chunk {args.chunk_size}, memory {args.max_memory_tokens} tokens, "
+        "eager, one engine each, one after the other",
         "",
         *common.table(header, cells),
         "",

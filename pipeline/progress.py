@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -59,7 +60,11 @@ def log_progress(progress: RunProgress) -> None:
 
 @contextmanager
 def progress_bar(console: Console) -> Iterator[ProgressCallback]:
-    """A bar over model calls on `console`; the total grows as documents are planned."""
+    """A bar over model calls on `console`; the total grows as documents are planned. Where
+    `console` is not a terminal (a log file, a DAG task), a line now and then instead."""
+    if not console.is_terminal:
+        yield progress_lines(console)
+        return
     columns = (
         TextColumn("model calls"),
         BarColumn(),
@@ -79,3 +84,23 @@ def progress_bar(console: Console) -> Iterator[ProgressCallback]:
             )
 
         yield update
+
+
+def progress_lines(console: Console, every_s: float = 30.0) -> ProgressCallback:
+    """Prints the reading when it changed, at most every `every_s` seconds, except the one
+    that answers the last chain planned so far."""
+    started = time.monotonic()
+    last: tuple[float, RunProgress | None] = (-every_s, None)
+
+    def report(progress: RunProgress) -> None:
+        nonlocal last
+        now = time.monotonic()
+        finished = progress.chains_done == progress.chains_planned
+        if progress != last[1] and (finished or now - last[0] >= every_s):
+            last = (now, progress)
+            console.print(
+                f"model calls {progress.steps_done}/{progress.steps_planned}, chains answered "
+                f"{progress.chains_done}/{progress.chains_planned}, {now - started:.0f} s"
+            )
+
+    return report

@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sysconfig
 import tempfile
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
+
+from serving.process import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 POSTGRES_SCRIPT = REPO / "infra" / "services" / "postgres.sh"
@@ -64,52 +65,11 @@ class S3Server:
         return boto3.client("s3", **(settings | overrides))
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def unavailable(message: str) -> NoReturn:
     """Fails (or, with MEMSTREAM_ALLOW_SKIP_SERVICES=1, skips) for a service that is missing."""
     if os.environ.get("MEMSTREAM_ALLOW_SKIP_SERVICES") == "1":
         pytest.skip(message)
     pytest.fail(message, pytrace=False)
-
-
-class ServerProcess:
-    """A server started in its own session, its output in a log file, stopped by its PID."""
-
-    def __init__(self, command: list[str], log: Path) -> None:
-        self.log = log
-        with log.open("wb") as output:
-            self.process = subprocess.Popen(
-                command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def log_tail(self, lines: int = 15) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def wait_until(self, ready: Callable[[], bool], name: str, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{name} exited ({self.process.returncode}):\n{self.log_tail()}")
-            if ready():
-                return
-            time.sleep(0.2)
-        raise RuntimeError(f"{name} not ready after {timeout:.0f} s:\n{self.log_tail()}")
-
-    def stop(self, grace: float = 3) -> None:
-        """SIGTERM, then SIGKILL after `grace` seconds. The data is thrown away, and SeaweedFS's
-        filer would wait 15 s for the streams of its own S3 gateway to end."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 def _s3_ready(server: S3Server) -> Callable[[], bool]:

@@ -5,14 +5,11 @@ from __future__ import annotations
 import asyncio
 import http.server
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from pipeline.ask import DocumentInput, answer, prepare
@@ -20,6 +17,7 @@ from pipeline.config import MethodConfig
 from pipeline.engines.base import EngineError, GenerationRequest, SamplingConfig
 from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
 from pipeline.runner import ChainRunner
+from serving.process import ServerNotReady, ServerProcess, free_port, http_ok
 
 pytestmark = pytest.mark.engine
 
@@ -111,12 +109,6 @@ def test_runner_drives_chains_of_different_lengths_together(  # type: ignore[no-
     assert segment_starts == [s.token_start for s in documents[0].segments]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def openai_server(test_model_path: str, tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """A real vLLM OpenAI-compatible server on 127.0.0.1, stopped by PID afterwards."""
@@ -124,49 +116,21 @@ def openai_server(test_model_path: str, tmp_path_factory) -> Iterator[str]:  # t
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
     command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        test_model_path,
-        "--served-model-name",
-        "test-model",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--dtype",
-        "bfloat16",
-    ]
-    with log.open("w") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", test_model_path, "--served-model-name", "test-model",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "2048", "--enforce-eager", "--dtype", "bfloat16",
+    ]  # fmt: skip
+    server = ServerProcess(command, log, env=env)
     base_url = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                pytest.fail(
-                    f"vLLM server exited with {process.returncode}:\n{log.read_text()[-3000:]}"
-                )
-            try:
-                if httpx.get(f"{base_url}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail(f"vLLM server not healthy in time:\n{log.read_text()[-3000:]}")
+        try:
+            server.wait_until(http_ok(f"{base_url}/models"), "vLLM server", timeout=400)
+        except ServerNotReady as error:
+            pytest.fail(str(error))
         yield base_url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        server.stop(grace=30)
 
 
 @pytest.mark.server

@@ -196,6 +196,22 @@ def test_summary_table_shows_counts_throughput_and_outputs() -> None:
     assert not summary.ok
 
 
+def test_progress_off_a_terminal_is_a_line_when_it_changed_and_the_last_one_always() -> None:
+    from rich.console import Console
+
+    from pipeline.progress import progress_bar
+
+    console = Console(file=io.StringIO())
+    readings = [RunProgress(0, 9, 0, 2), RunProgress(4, 9, 0, 2), RunProgress(9, 9, 2, 2)]
+    with progress_bar(console) as report:
+        for reading in [*readings, readings[-1]]:
+            report(reading)
+    assert console.file.getvalue().splitlines() == [  # type: ignore[attr-defined]
+        "model calls 0/9, chains answered 0/2, 0 s",
+        "model calls 9/9, chains answered 2/2, 0 s",
+    ]
+
+
 def test_run_id_is_stable_and_follows_what_changes_the_answers() -> None:
     spec = job(sources=["docs"], output="out", questions=[QUESTION])
     questions = (Question("q0", QUESTION),)

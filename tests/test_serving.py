@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,10 +29,10 @@ import yaml
 from connectors.state_store import StepCheckpoint
 from pipeline.runner import StepRecord
 from serving.config import ServingConfig, ServingConfigError, config_from_mapping, load_config
+from serving.process import ServerNotReady, ServerProcess, free_port, http_ok
 from serving.security import ApiKeys, bearer_token
 from serving.store import JobConflict, JobStore, NewJob, chain_key
 from serving.uris import UriPolicy, UriRefused, redact_uri
-from tests.services import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-" + "7f3a9c2e5b8d1f4a6c0e"
@@ -216,7 +215,7 @@ class ServeApp:
     config_path: Path
     env: dict[str, str]
     url: str
-    process: subprocess.Popen[bytes] | None = None
+    server: ServerProcess | None = None
     starts: int = 0
     startup_s: float = 0.0
 
@@ -229,38 +228,20 @@ class ServeApp:
 
     def start(self, timeout: float = 900) -> None:
         self.starts += 1
-        started = time.monotonic()
         command = [sys.executable, "-m", "serving.cli", "serve", "--config", str(self.config_path)]
         log = self.folder / f"serve-{self.starts}.log"
-        with log.open("wb") as output:
-            self.process = subprocess.Popen(
-                command,
-                cwd=REPO,
-                env=self.env,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+        self.server = ServerProcess(command, log, env=self.env, cwd=REPO)
+        try:
+            self.startup_s = self.server.wait_until(
+                http_ok(f"{self.url}/healthz"), "memstream serve", timeout
             )
-        while not self._healthy():
-            if self.process.poll() is not None:
-                tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-                pytest.fail(f"memstream serve exited ({self.process.returncode}):\n{tail}")
-            if time.monotonic() - started > timeout:
-                pytest.fail(f"memstream serve not ready after {timeout:.0f} s; see {log}")
-            time.sleep(1)
-        self.startup_s = time.monotonic() - started
+        except ServerNotReady as error:
+            pytest.fail(str(error))
 
     def stop(self) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
+        if self.server is not None:
+            self.server.stop(grace=180)
+        self.server = None
 
     def restart(self) -> None:
         self.stop()
@@ -272,12 +253,6 @@ class ServeApp:
             if path.is_file() and path.suffix in (".log", ".out", ".err"):
                 texts.append(path.read_text(errors="replace"))
         return "\n".join(texts)
-
-    def _healthy(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/healthz", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,85 @@
+"""Servers as child processes: started in their own session with their output in a log file,
+ready once a probe passes, stopped by their PID. `memstream serve` for benchmarks and DAG tasks
+that want a private endpoint; S3 and vLLM servers for the tests."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+
+class ServerNotReady(RuntimeError):
+    """The server exited or did not become ready in time; the message ends with its log."""
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    """A readiness probe: GET `url` answers 200."""
+
+    def ready() -> bool:
+        try:
+            return httpx.get(url, timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return ready
+
+
+class ServerProcess:
+    """A server started in its own session, its output in a log file, stopped by its PID."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        log: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.log = log
+        with log.open("wb") as output:
+            self.process = subprocess.Popen(
+                list(command),
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env=None if env is None else dict(env),
+                cwd=cwd,
+                start_new_session=True,
+            )
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_until(self, ready: Callable[[], bool], name: str, timeout: float = 90) -> float:
+        """Seconds until `ready()` held; `ServerNotReady` if the server exits or time runs out."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.process.poll() is not None:
+                raise ServerNotReady(
+                    f"{name} exited ({self.process.returncode}):\n{self.log_tail()}"
+                )
+            if ready():
+                return time.monotonic() - started
+            time.sleep(0.2)
+        raise ServerNotReady(f"{name} not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, grace: float = 3) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
