@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import os
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import psutil
 import pytest
 
 from pipeline.ask import DocumentInput, answer, prepare
@@ -217,3 +221,52 @@ def test_openai_adapter_retries_429_and_5xx_with_backoff() -> None:
         server.shutdown()
     assert completion.text == "ok" and completion.prompt_tokens == 5
     assert FlakyChatServer.attempts == 3
+
+
+OWNER_SCRIPT = """
+import asyncio, sys
+from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+
+async def main():
+    config = VLLMEngineConfig(model=sys.argv[1], max_model_len=1024, enforce_eager=True,
+                              cpu_kvcache_space_gib=1)
+    engine = VLLMEngine(config)
+    print("ready", flush=True)
+    await asyncio.sleep(900)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.engine
+def test_engine_processes_end_when_their_owner_is_killed(
+    test_model_path: str, tmp_path: Path
+) -> None:
+    """Ray kills actors with SIGKILL; vLLM's engine core must not outlive its actor."""
+    log = tmp_path / "owner.log"
+    with log.open("w") as output:
+        owner = subprocess.Popen(
+            [sys.executable, "-c", OWNER_SCRIPT, test_model_path],
+            stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    engine_processes: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 600
+        while "ready" not in log.read_text(errors="replace").split():
+            assert owner.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the engine did not start in time"
+            time.sleep(1)
+        engine_processes = psutil.Process(owner.pid).children(recursive=True)
+        names = [process.name() for process in engine_processes]
+        assert any("EngineCore" in name for name in names), names
+        owner.kill()
+        owner.wait()
+        _, alive = psutil.wait_procs(engine_processes, timeout=60)
+        assert not alive, f"engine processes outlived their owner: {alive}"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        for process in engine_processes:
+            with contextlib.suppress(psutil.Error):
+                process.kill()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import Completion, EngineError, GenerationRequest
+from .reaper import descendant_pids, start_watchdog
 
 SMALL_MACHINE_CPUS = 4
 
@@ -64,7 +65,9 @@ class VLLMEngine:
         self.config = config
         self.model = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        others = set(descendant_pids())
         self._llm: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args()))
+        self._watchdog = start_watchdog([pid for pid in descendant_pids() if pid not in others])
         self._ids = itertools.count()
 
     async def generate(self, request: GenerationRequest) -> Completion:
@@ -117,6 +120,8 @@ class VLLMEngine:
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.shutdown()
+            self._watchdog.terminate()
+            self._watchdog.wait()
 
 
 def chat_prompt_ids(tokenizer: Any, content: str) -> list[int]:
