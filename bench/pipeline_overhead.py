@@ -82,7 +82,12 @@ def run_ray_job(
     })  # fmt: skip
     summary = run_job(spec)
     measured = throughput(summary.tokens, summary.chains_worked, summary.elapsed_s, summary.busy_s)
-    return {**measured, "ok": summary.ok, "leftover_processes": end_leftovers()}
+    return {
+        **measured,
+        "chains_failed": summary.chains_failed,
+        "documents_failed": summary.documents_failed,
+        "leftover_processes": end_leftovers(),
+    }
 
 
 def generated_corpus(folder: Path, args: Any, config: VLLMEngineConfig) -> Path:
@@ -160,7 +165,14 @@ def main() -> None:
     ]  # fmt: skip
     header = ["path", "chains", "tokens", "end-to-end s", "tokens/s", "chains/s",
               "steady s", "steady tokens/s", "steady chains/s", "1-min load after"]  # fmt: skip
-    notes = [] if job["ok"] else ["**The job reported errors or unanswered chains.**"]
+    notes = []
+    if job["documents_failed"]:
+        notes.append(
+            f"{job['documents_failed']} input(s) could not be read or parsed: rows of the job's "
+            "`errors` table; the runner skips them too."
+        )
+    if job["chains_failed"]:
+        notes.append(f"**{job['chains_failed']} chain(s) of the job failed.**")
     if job["leftover_processes"]:
         notes.append(
             f"**{job['leftover_processes']} process(es) of the job's Ray session (its memory-stage "
