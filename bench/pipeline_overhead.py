@@ -1,8 +1,9 @@
 """Pipeline overhead: the Ray Data corpus job against the ChainRunner alone, on one corpus.
 
-By default a small corpus of real text (six documents of 2,000-8,000 tokens, written to a
-temporary folder as .txt files) and one question; with --sources, the given files, folders or
-globs (PDFs, logs, texts: ../shared/corpora, say) and the --question(s). They are answered
+By default real PDFs of ../shared/corpora (the two contracts, the DMCA summary, a damaged PDF
+and an encrypted one, which becomes an `errors` row) and two questions; with --quick, three
+short documents of real text written to a temporary folder as .txt files and one question; with
+--sources, the given files, folders or globs and the --question(s). They are answered
 (a) in this process: read and parse the files, tokenize, start one engine, run every chain at
 once with the ChainRunner; and (b) by `pipeline.job.run_job` on a fresh local Ray session:
 listing, read and parse tasks, segment tasks, the memory actor with its own engine, checkpoints
@@ -40,7 +41,18 @@ from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec, run_job
 from pipeline.runner import ChainRunner
 
-QUESTION = "What is this document about?"
+PDFS = common.CORPORA / "pdfs"
+REAL_SOURCES = [
+    str(PDFS / "contracts"),
+    str(PDFS / "reports" / "copyright-office-dmca-summary-1998.pdf"),
+    str(PDFS / "bad" / "corrupted-zen_of_python.pdf"),
+    str(PDFS / "bad" / "encrypted-userpw-openpassword.pdf"),
+]
+REAL_QUESTIONS = [
+    "What is this document about, in one sentence?",
+    "Which organization, person or system does this document mention most?",
+]
+QUICK_QUESTION = "What is this document about?"
 # Ray renices its workers to 15 by default; the runner does not, so the engine would be starved
 # behind other work only in the job.
 os.environ.setdefault("RAY_worker_niceness", "0")
@@ -139,15 +151,16 @@ def throughput(tokens: int, chains: int, seconds: float, busy_s: float) -> dict[
 
 def main() -> None:
     parser = common.bench_parser(__doc__)
-    parser.add_argument("--lengths", help="document tokens; default 2000,3000,4000,5000,6500,8000")
-    parser.add_argument("--sources", nargs="+", help="files, folders or globs instead of --lengths")
+    parser.add_argument("--lengths", help="documents of real text of these token lengths")
+    parser.add_argument("--sources", nargs="+", help="files, folders or globs")
     parser.add_argument("--question", action="append", dest="questions", metavar="Q")
     parser.add_argument("--template", default="memagent-reference")
     args = parser.parse_args()
-    args.lengths = args.lengths or (
-        "1000,1500,2000" if args.quick else "2000,3000,4000,5000,6500,8000"
-    )
-    questions = args.questions or [QUESTION]
+    if args.quick and not (args.sources or args.lengths):
+        args.lengths = "1000,1500,2000"
+    if not args.lengths:
+        args.sources = args.sources or REAL_SOURCES
+    questions = args.questions or ([QUICK_QUESTION] if args.quick else REAL_QUESTIONS)
     method = common.bench_method(args, args.template)
     config = common.engine_config(args)
     with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as temporary:
@@ -180,7 +193,8 @@ def main() -> None:
             "ended them.**"
         )
     corpus = (
-        f"the documents of {' '.join(args.sources)}" if args.sources
+        f"the documents of {' '.join(os.path.relpath(s, common.REPO) for s in args.sources)}"
+        if args.sources
         else f"documents of {args.lengths} tokens of real text"
     )  # fmt: skip
     markdown = "\n".join([

@@ -5,8 +5,8 @@ per length: seconds, seconds per million document tokens, model calls, the peak 
 process and vLLM's child processes while that length ran (the KV cache is reserved up front, so
 a bounded memory should keep it flat), and time per token relative to the smallest length.
 
-    .venv/bin/python bench/scaling.py                          # 10K, 30K, 100K tokens
-    .venv/bin/python bench/scaling.py --lengths 10000,100000,1000000
+    .venv/bin/python bench/scaling.py                          # 10K, 100K, 1M tokens
+    .venv/bin/python bench/scaling.py --lengths 10000,100000,1000000,3500000  # overnight
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ async def measure(
 def main() -> None:
     parser = common.bench_parser(__doc__)
     parser.add_argument(
-        "--lengths", help="document tokens; default 10000,30000,100000 (add 1000000 for 1M)"
+        "--lengths", help="document tokens; default 10000,100000,1000000 (add 3500000 overnight)"
     )
     args = parser.parse_args()
-    args.lengths = args.lengths or ("1000,2000,4000" if args.quick else "10000,30000,100000")
+    args.lengths = args.lengths or ("1000,2000,4000" if args.quick else "10000,100000,1000000")
     lengths = [int(n) for n in args.lengths.split(",")]
     method = common.bench_method(args)
     rows = asyncio.run(measure(common.engine_config(args, kv_cache_gib=1), lengths, method))
