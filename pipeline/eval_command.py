@@ -3,7 +3,7 @@
 `register(subparsers)` adds the command to the `memstream` parser. One engine is opened per run;
 every method reads the same samples through it, and every sample of a configuration is sent at
 once so the engine batches them. Results are rewritten after each configuration, so a stopped
-run keeps what it finished.
+run keeps what it finished, and `--resume` runs only the configurations the results lack.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from .evaluation.hotpotqa import HotpotQABuilder
 from .evaluation.niah import DEFAULT_DEPTHS, NiahBuilder
 from .evaluation.report import (
     ACCURACY_PLOT,
+    RESULTS_JSON,
+    read_results,
     render_markdown,
     write_accuracy_plot,
     write_outputs,
@@ -44,6 +46,8 @@ EXIT_PARTIAL_FAILURE = 1
 DEFAULT_METHODS = "memstream:memagent-reference,memstream:append-evidence,direct"
 # Room an update prompt needs besides the chunk and the memory: template, question, chat frame.
 UPDATE_PROMPT_ALLOWANCE = 512
+# What must match for a resumed run's predictions to sit in one table with the new ones.
+RESUME_KEYS = ("model", "settings", "samples_per_task_and_length", "niah_depths", "corpora")
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0, help="sampling and sample building")
     parser.add_argument("--output", type=Path, default=Path("eval-output"))
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the configurations OUTPUT/results.json already has (same model and settings "
+        "required) and run only the missing ones",
+    )
     parser.add_argument("--corpora", type=Path, default=corpora.DEFAULT_CORPORA)
     add_engine_arguments(parser)
     parser.set_defaults(handler=run_eval_command)
@@ -144,6 +154,7 @@ class EvalRequest:
     output: Path
     corpora: Path
     quick: bool
+    resume: bool = False
 
 
 def resolve_request(args: argparse.Namespace, context_window: int) -> EvalRequest:
@@ -175,6 +186,7 @@ def resolve_request(args: argparse.Namespace, context_window: int) -> EvalReques
         output=args.output,
         corpora=args.corpora,
         quick=args.quick,
+        resume=args.resume,
     )
 
 
@@ -260,8 +272,26 @@ def run_eval(request: EvalRequest, spec: EngineSpec) -> int:
     console = Console(stderr=True, soft_wrap=True, highlight=False)
     tokenizer = load_tokenizer(spec)
     metadata = run_metadata(request, spec.model, spec.kind)
-    outcome = asyncio.run(_open_and_evaluate(request, spec, tokenizer, metadata, console))
+    previous = previous_outcome(request, metadata) if request.resume else None
+    if previous:
+        console.print(f"resuming: {len(previous.runs)} configuration(s) done in {request.output}")
+    outcome = asyncio.run(_open_and_evaluate(request, spec, tokenizer, metadata, console, previous))
     return report_run(request, metadata, outcome, console)
+
+
+def previous_outcome(request: EvalRequest, metadata: dict[str, Any]) -> SuiteOutcome | None:
+    """What an earlier run left in the output folder, if it was made the same way."""
+    path = request.output / RESULTS_JSON
+    if not path.exists():
+        return None
+    earlier, outcome = read_results(path)
+    differing = [key for key in RESUME_KEYS if earlier.get(key) != metadata[key]]
+    if differing:
+        raise ValueError(
+            f"cannot resume: {path} was made with another {', '.join(differing)}; "
+            "use the same options or another --output"
+        )
+    return outcome
 
 
 async def _open_and_evaluate(
@@ -270,6 +300,7 @@ async def _open_and_evaluate(
     tokenizer: Any,
     metadata: dict[str, Any],
     console: Console,
+    previous: SuiteOutcome | None,
 ) -> SuiteOutcome:
     started = time.perf_counter()
     with console.status(f"starting the {spec.kind} engine for {spec.model}"):
@@ -278,7 +309,7 @@ async def _open_and_evaluate(
             await engine.check()
     metadata["engine_startup_s"] = round(time.perf_counter() - started, 1)
     try:
-        return await evaluate(request, engine, tokenizer, metadata, console)
+        return await evaluate(request, engine, tokenizer, metadata, console, previous)
     finally:
         await engine.shutdown()
 
@@ -289,12 +320,13 @@ async def evaluate(
     tokenizer: Any,
     metadata: dict[str, Any],
     console: Console,
+    previous: SuiteOutcome | None = None,
 ) -> SuiteOutcome:
-    """Runs every configuration of `request` on an open engine, showing progress on `console`;
-    results.json and results.md are rewritten after each configuration."""
+    """Runs every configuration of `request` not in `previous` on an open engine, showing
+    progress on `console`; results.json and results.md are rewritten after each configuration."""
     builders = SampleBuilders(request, tokenizer)
     groups = plan_groups(request.tasks, request.lengths, builders.by_task())
-    listener = ConsoleListener(console, request.output, metadata)
+    listener = ConsoleListener(console, request.output, metadata, previous)
     budget_s = None if request.time_budget_min is None else request.time_budget_min * 60
     started = time.perf_counter()
     try:
@@ -307,6 +339,7 @@ async def evaluate(
                 request.settings,
                 time_budget_s=budget_s,
                 listener=listener,
+                previous=previous,
             )
     finally:
         metadata["elapsed_s"] = round(time.perf_counter() - started, 1)
@@ -364,11 +397,17 @@ class ConsoleListener:
     """Shows a progress bar of model calls per configuration, prints each configuration's
     accuracy, and rewrites results.json and results.md after each one."""
 
-    def __init__(self, console: Console, output: Path, metadata: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        console: Console,
+        output: Path,
+        metadata: dict[str, Any],
+        previous: SuiteOutcome | None = None,
+    ) -> None:
         self.console = console
         self.output = output
         self.metadata = metadata
-        self.outcome = SuiteOutcome()
+        self.outcome = SuiteOutcome.continuing(previous)
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),

@@ -20,6 +20,7 @@ from pipeline.eval_command import (
     QUICK,
     check_chunks_fit,
     evaluate,
+    previous_outcome,
     register,
     report_run,
     resolve_request,
@@ -42,6 +43,7 @@ from pipeline.evaluation.report import (
     ACCURACY_PLOT,
     RESULTS_JSON,
     RESULTS_MARKDOWN,
+    read_results,
     render_markdown,
     write_outputs,
 )
@@ -434,6 +436,45 @@ def test_the_time_budget_stops_new_configurations(tokenizer) -> None:  # type: i
     assert len(ran) + len(outcome.skipped) == 8 and outcome.skipped
     assert outcome.skipped[-1].configuration.describe() == "niah 2k memstream:memagent-reference"
     assert all(p.prediction == "42" and p.scores["accuracy"] == 1.0 for p in outcome.predictions)
+
+
+def test_a_resumed_suite_keeps_earlier_configurations_and_runs_only_the_rest(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    groups = [SampleGroup("niah", "1k", lambda: [tiny_sample("niah", "1k")])]
+    settings = EvalSettings(context_window=2048, chunk_size=256, max_memory_tokens=16)
+    first_engine = EchoEngine()
+    first = asyncio.run(
+        run_suite(first_engine, tokenizer, groups, parse_methods("direct"), settings)
+    )
+    second_engine = EchoEngine()
+    both = parse_methods("direct,memstream")
+    resumed = asyncio.run(
+        run_suite(second_engine, tokenizer, groups, both, settings, previous=first)
+    )
+    assert [run.configuration.describe() for run in resumed.runs] == [
+        "niah 1k direct",
+        "niah 1k memstream:memagent-reference",
+    ]
+    assert resumed.predictions[0] is first.predictions[0] and len(resumed.predictions) == 2
+    assert len(first_engine.prompts) == 1  # direct: one call
+    assert len(second_engine.prompts) == resumed.predictions[1].details["n_segments"] + 1
+
+
+def test_results_read_back_as_written_and_resume_refuses_other_settings(tmp_path: Path) -> None:
+    request = resolve_request(
+        parse_eval_arguments("--output", str(tmp_path), "--resume"), context_window=16384
+    )
+    metadata = run_metadata(request, "m", "vllm")
+    assert previous_outcome(request, metadata) is None  # nothing to resume yet
+    write_outputs(tmp_path, metadata, outcome_for_reports(), plot=False)
+    _, read = read_results(tmp_path / RESULTS_JSON)
+    assert read.predictions == outcome_for_reports().predictions
+    assert previous_outcome(request, metadata) == read
+    other = resolve_request(
+        parse_eval_arguments("--output", str(tmp_path), "--resume", "--chunk-size", "4000"),
+        context_window=16384,
+    )
+    with pytest.raises(ValueError, match="made with another settings"):
+        previous_outcome(other, run_metadata(other, "m", "vllm"))
 
 
 def parse_eval_arguments(*argv: str) -> argparse.Namespace:

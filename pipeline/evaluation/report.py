@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .results import Prediction, SummaryRow, summarize
+from .results import Configuration, ConfigurationRun, Prediction, SummaryRow, summarize
 from .suite import SuiteOutcome
 
 RESULTS_JSON = "results.json"
@@ -42,6 +42,19 @@ def results_document(metadata: dict[str, Any], outcome: SuiteOutcome) -> dict[st
         "skipped": [asdict(skipped) for skipped in outcome.skipped],
         "predictions": [asdict(prediction) for prediction in outcome.predictions],
     }
+
+
+def read_results(path: Path) -> tuple[dict[str, Any], SuiteOutcome]:
+    """The inverse of `results_document`: a run's metadata, and its runs and predictions."""
+    document = json.loads(path.read_text())
+    runs = [
+        ConfigurationRun(Configuration(**run["configuration"]), run["n_samples"], run["seconds"])
+        for run in document.pop("configurations")
+    ]
+    predictions = [Prediction(**prediction) for prediction in document.pop("predictions")]
+    for derived in ("summary", "skipped"):
+        document.pop(derived, None)
+    return document, SuiteOutcome(predictions=predictions, runs=runs)
 
 
 def render_markdown(metadata: dict[str, Any], outcome: SuiteOutcome) -> str:

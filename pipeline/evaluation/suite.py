@@ -2,7 +2,8 @@
 the next group, so a time budget cuts the longest (most expensive) runs first.
 
 Samples of a (task, length) group are built when the group starts and shared by its methods.
-Once the budget is used up no new configuration starts; a running one finishes.
+Once the budget is used up no new configuration starts; a running one finishes. Given the
+outcome of an earlier run, the configurations it ran are kept and not run again.
 """
 
 from __future__ import annotations
@@ -85,6 +86,13 @@ class SuiteOutcome:
     runs: list[ConfigurationRun] = field(default_factory=list)
     skipped: list[SkippedConfiguration] = field(default_factory=list)
 
+    @classmethod
+    def continuing(cls, previous: SuiteOutcome | None) -> SuiteOutcome:
+        """A new outcome that starts with the runs and predictions of `previous`."""
+        if previous is None:
+            return cls()
+        return cls(predictions=list(previous.predictions), runs=list(previous.runs))
+
 
 async def run_suite(
     engine: Engine,
@@ -96,13 +104,17 @@ async def run_suite(
     time_budget_s: float | None = None,
     listener: SuiteListener | None = None,
     clock: Callable[[], float] = time.monotonic,
+    previous: SuiteOutcome | None = None,
 ) -> SuiteOutcome:
-    outcome = SuiteOutcome()
+    outcome = SuiteOutcome.continuing(previous)
+    finished = {run.configuration for run in outcome.runs}
     started = clock()
     for group in groups:
         samples: list[EvalSample] | None = None
         for method in methods:
             configuration = Configuration(group.task, group.length_label, method.name)
+            if configuration in finished:
+                continue
             if time_budget_s is not None and clock() - started >= time_budget_s:
                 skipped = SkippedConfiguration(
                     configuration, f"time budget of {time_budget_s / 60:g} min used up"
