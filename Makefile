@@ -5,8 +5,9 @@ TEST_MODEL ?= smollm2-135m-instruct
 # Document size factor of the demo corpus: 0.4 gives 8K-36K-token documents and fits the
 # 20-minute budget of a fresh 2-core machine; 1.0 gives 20K-90K.
 DEMO_SCALE ?= 0.4
-# `make bench` takes roughly 30-45 minutes on a quiet 2-core machine. BENCH_ARGS=--quick runs
-# small sizes; --with-serving adds the slow serving benchmark. Results: bench/results/SUMMARY.md.
+# `make bench` takes about 2 hours on a quiet 2-core machine (48 minutes of it: the 1M-token
+# document of the scaling run). BENCH_ARGS=--quick runs small sizes; --with-serving adds the slow
+# serving benchmark. Results: bench/results/SUMMARY.md.
 BENCH_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false

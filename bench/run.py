@@ -2,7 +2,7 @@
 
 Each runs in its own process, one after the other, so there is never more than one engine.
 
-    .venv/bin/python bench/run.py                    # about 30-45 minutes on 2 CPU cores
+    .venv/bin/python bench/run.py                    # about 2 hours on 2 CPU cores
     .venv/bin/python bench/run.py --quick            # small sizes, a few minutes
     .venv/bin/python bench/run.py --with-serving     # also the Ray Serve endpoint (slow)
     .venv/bin/python bench/run.py --only scaling,multi_question
