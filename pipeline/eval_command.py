@@ -272,15 +272,21 @@ def run_eval(request: EvalRequest, spec: EngineSpec) -> int:
     console = Console(stderr=True, soft_wrap=True, highlight=False)
     tokenizer = load_tokenizer(spec)
     metadata = run_metadata(request, spec.model, spec.kind)
-    previous = previous_outcome(request, metadata) if request.resume else None
-    if previous:
+    found = previous_results(request, metadata) if request.resume else None
+    previous = None
+    if found:
+        earlier, previous = found
+        metadata = resumed_metadata(earlier, metadata)
         console.print(f"resuming: {len(previous.runs)} configuration(s) done in {request.output}")
     outcome = asyncio.run(_open_and_evaluate(request, spec, tokenizer, metadata, console, previous))
     return report_run(request, metadata, outcome, console)
 
 
-def previous_outcome(request: EvalRequest, metadata: dict[str, Any]) -> SuiteOutcome | None:
-    """What an earlier run left in the output folder, if it was made the same way."""
+def previous_results(
+    request: EvalRequest, metadata: dict[str, Any]
+) -> tuple[dict[str, Any], SuiteOutcome] | None:
+    """The metadata and outcome an earlier run left in the output folder, if it was made the
+    same way."""
     path = request.output / RESULTS_JSON
     if not path.exists():
         return None
@@ -291,7 +297,23 @@ def previous_outcome(request: EvalRequest, metadata: dict[str, Any]) -> SuiteOut
             f"cannot resume: {path} was made with another {', '.join(differing)}; "
             "use the same options or another --output"
         )
-    return outcome
+    return earlier, outcome
+
+
+def resumed_metadata(earlier: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
+    """This run's metadata, covering what the earlier runs it continues asked for too."""
+    merged = dict(metadata)
+    for key in ("tasks", "methods"):
+        merged[key] = list(dict.fromkeys([*earlier.get(key, []), *metadata[key]]))
+    lengths = {
+        length["label"]: length for length in [*earlier.get("lengths", []), *metadata["lengths"]]
+    }
+    merged["lengths"] = sorted(lengths.values(), key=lambda length: length["tokens"])
+    merged["earlier_runs_started_at"] = [
+        *earlier.get("earlier_runs_started_at", []),
+        earlier.get("started_at"),
+    ]
+    return merged
 
 
 async def _open_and_evaluate(

@@ -20,10 +20,11 @@ from pipeline.eval_command import (
     QUICK,
     check_chunks_fit,
     evaluate,
-    previous_outcome,
+    previous_results,
     register,
     report_run,
     resolve_request,
+    resumed_metadata,
     run_metadata,
 )
 from pipeline.evaluation import corpora as corpus_files
@@ -464,17 +465,36 @@ def test_results_read_back_as_written_and_resume_refuses_other_settings(tmp_path
         parse_eval_arguments("--output", str(tmp_path), "--resume"), context_window=16384
     )
     metadata = run_metadata(request, "m", "vllm")
-    assert previous_outcome(request, metadata) is None  # nothing to resume yet
+    assert previous_results(request, metadata) is None  # nothing to resume yet
     write_outputs(tmp_path, metadata, outcome_for_reports(), plot=False)
     _, read = read_results(tmp_path / RESULTS_JSON)
     assert read.predictions == outcome_for_reports().predictions
-    assert previous_outcome(request, metadata) == read
+    assert previous_results(request, metadata) == (metadata, read)
     other = resolve_request(
         parse_eval_arguments("--output", str(tmp_path), "--resume", "--chunk-size", "4000"),
         context_window=16384,
     )
     with pytest.raises(ValueError, match="made with another settings"):
-        previous_outcome(other, run_metadata(other, "m", "vllm"))
+        previous_results(other, run_metadata(other, "m", "vllm"))
+
+
+def test_resumed_metadata_covers_the_earlier_runs_too() -> None:
+    earlier = {
+        "tasks": ["niah"],
+        "methods": ["memstream:x", "direct"],
+        "started_at": "t0",
+        "lengths": [{"label": "8k", "tokens": 8192}, {"label": "32k", "tokens": 32768}],
+    }
+    now = {
+        "tasks": ["niah"],
+        "methods": ["direct"],
+        "started_at": "t1",
+        "lengths": [{"label": "128k", "tokens": 131072}, {"label": "8k", "tokens": 8192}],
+    }
+    merged = resumed_metadata(earlier, now)
+    assert merged["methods"] == ["memstream:x", "direct"] and merged["tasks"] == ["niah"]
+    assert [length["label"] for length in merged["lengths"]] == ["8k", "32k", "128k"]
+    assert merged["started_at"] == "t1" and merged["earlier_runs_started_at"] == ["t0"]
 
 
 def parse_eval_arguments(*argv: str) -> argparse.Namespace:
