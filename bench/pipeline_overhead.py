@@ -151,8 +151,9 @@ def throughput(tokens: int, chains: int, seconds: float, busy_s: float) -> dict[
 
 def main() -> None:
     parser = common.bench_parser(__doc__)
-    parser.add_argument("--lengths", help="documents of real text of these token lengths")
-    parser.add_argument("--sources", nargs="+", help="files, folders or globs")
+    corpus = parser.add_mutually_exclusive_group()
+    corpus.add_argument("--lengths", help="documents of real text of these token lengths")
+    corpus.add_argument("--sources", nargs="+", help="files, folders or globs")
     parser.add_argument("--question", action="append", dest="questions", metavar="Q")
     parser.add_argument("--template", default="memagent-reference")
     args = parser.parse_args()
