@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import models
-from .config import MethodConfig
+from .config import MethodConfig, default_template
 from .engines.base import EngineError
 from .engines.factory import DEFAULT_MODEL, EngineSpec
 
@@ -125,7 +125,10 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-memory-tokens", type=positive_int, default=defaults.max_memory_tokens)
     group.add_argument("--max-answer-tokens", type=positive_int, default=defaults.max_answer_tokens)
-    group.add_argument("--template", default=defaults.template)
+    group.add_argument(
+        "--template",
+        help="memory strategy (default: the model's best measured; the reference for others)",
+    )
     group.add_argument("--temperature", type=float, default=defaults.temperature)
     group.add_argument("--top-p", type=float, default=defaults.top_p)
     group.add_argument("--seed", type=int, default=defaults.seed)
@@ -157,7 +160,7 @@ def method_config(args: argparse.Namespace) -> MethodConfig:
         snap_window=args.snap_window,
         max_memory_tokens=args.max_memory_tokens,
         max_answer_tokens=args.max_answer_tokens,
-        template=args.template,
+        template=args.template or default_template(args.model),
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,

@@ -43,7 +43,7 @@ from .evaluation.samples import EvalSample, LengthSpec, parse_lengths
 from .evaluation.suite import TASKS, SuiteOutcome, parse_tasks, plan_groups, run_suite
 
 EXIT_PARTIAL_FAILURE = 1
-DEFAULT_METHODS = "memstream:memagent-reference,memstream:append-evidence,direct"
+DEFAULT_METHODS = "memstream:memagent-reference,memstream:segment-first,direct"
 # Room an update prompt needs besides the chunk and the memory: template, question, chat frame.
 UPDATE_PROMPT_ALLOWANCE = 512
 # What must match for a resumed run's predictions to sit in one table with the new ones.

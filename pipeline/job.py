@@ -34,7 +34,7 @@ from connectors import OutputError, Source, SourceError, check_output, open_outp
 from connectors.base import coerce_questions
 from connectors.state_store import FAILED, StateStore, StateStoreError
 
-from .config import MethodConfig
+from .config import MethodConfig, with_default_template
 from .core.templates import get_template_set
 from .engines.base import EngineError
 from .engines.factory import EngineSpec, load_tokenizer, open_engine
@@ -121,7 +121,7 @@ class JobSpec:
         """Validates a plain mapping (as YAML gives it); errors name the key and what is wrong."""
         if not isinstance(data, Mapping):
             raise JobError(f"{where}: a job must be a mapping of keys, got {type(data).__name__}")
-        raw = dict(data)
+        raw = with_default_template(data)
         if isinstance(raw.get("output"), str):
             raw["output"] = {"uri": raw["output"]}
         for key in ("sources", "questions"):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from pipeline.config import MethodConfig
+from pipeline.config import MethodConfig, with_default_template
 from pipeline.engines.factory import EngineSpec
 
 MIB = 1 << 20
@@ -247,7 +247,7 @@ def is_loopback_host(host: str) -> bool:
 def load_config(path: Path | None) -> ServingConfig:
     """The embedded defaults, overridden by the YAML file at `path` when given."""
     if path is None:
-        return ServingConfig()
+        return config_from_mapping({})
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
@@ -256,6 +256,8 @@ def load_config(path: Path | None) -> ServingConfig:
 
 
 def config_from_mapping(data: Any, where: str = "config") -> ServingConfig:
+    if isinstance(data, Mapping):
+        data = with_default_template(data)
     return _build(ServingConfig, data, where)
 
 

@@ -37,11 +37,15 @@ from connectors.state_store import (
     StateStore,
     StepCheckpoint,
 )
+from pipeline.cli import build_parser, method_config
+from pipeline.config import default_template
+from pipeline.engines.factory import DEFAULT_MODEL
 from pipeline.job import JobError, JobSpec, derive_run_id, load_job_spec, plan_job, run_job
 from pipeline.outputs import ResultWriter, RunIdentity
 from pipeline.run_command import spec_from_arguments
 from pipeline.runner import StepRecord
 from pipeline.stages import Question
+from serving.config import config_from_mapping, load_config
 from tests.conftest import TEST_MODEL
 
 if TYPE_CHECKING:
@@ -109,6 +113,27 @@ def test_spec_errors_name_the_key_and_what_is_allowed() -> None:
         JobSpec.from_dict({"sources": ["a"]})
     spec = JobSpec.from_dict({"sources": "docs", "output": "o", "questions": "Why?"})
     assert spec.sources == ("docs",) and spec.questions == ("Why?",)
+
+
+def test_template_defaults_to_the_models_best_measured_and_an_explicit_one_wins() -> None:
+    def job(**fields: Any) -> JobSpec:
+        return JobSpec.from_dict({"sources": ["a"], "output": "o", **fields})
+
+    qwen, rl_memagent = "qwen2.5-coder-0.5b-instruct", "BytedTsinghua-SIA/RL-MemAgent-14B"
+    assert job().method.template == default_template(DEFAULT_MODEL)
+    assert job(engine={"model": qwen}).method.template == "segment-first"
+    assert job(engine={"model": "smollm2-135m-instruct"}).method.template == "segment-first"
+    assert job(engine={"model": rl_memagent}).method.template == "memagent-reference"
+    assert job(engine={"model": "/models/my-finetune"}).method.template == "memagent-reference"
+    explicit = job(engine={"model": qwen}, method={"template": "extractive", "chunk_size": 900})
+    assert explicit.method.template == "extractive" and explicit.method.chunk_size == 900
+    served = config_from_mapping({"engine": {"model": rl_memagent}, "method": {"chunk_size": 900}})
+    assert served.method.template == "memagent-reference" and served.method.chunk_size == 900
+    assert load_config(None).method.template == default_template(DEFAULT_MODEL)
+    asked = build_parser().parse_args(["ask", "doc.txt", "-q", "Q?", "--model", qwen])
+    assert method_config(asked).template == "segment-first"
+    asked = build_parser().parse_args(["ask", "doc.txt", "-q", "Q?", "--template", "extractive"])
+    assert method_config(asked).template == "extractive"
 
 
 def test_yaml_paths_are_relative_to_the_file_and_flags_win(tmp_path: Path) -> None:
@@ -442,7 +467,8 @@ def test_local_job_answers_every_document_or_says_why(
     assert own.question.tolist() == ["Which protocol is described?"]
     recovered = answers[answers.name == "corrupted-zen_of_python.pdf"].iloc[0]
     assert any("recovered" in warning for warning in recovered.parse_warnings)
-    assert (answers.model == TEST_MODEL).all() and (answers.template == "memagent-reference").all()
+    assert (answers.model == TEST_MODEL).all()
+    assert (answers.template == default_template(TEST_MODEL)).all()
     assert answers.timings.map(lambda t: t["compute_s"] > 0).all()
 
     assert_complete_trajectories(answers, trajectory)
