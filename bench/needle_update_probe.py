@@ -34,8 +34,7 @@ async def main(args: argparse.Namespace) -> None:
     for sample in samples:
         document = tokenize(sample.sample_id, sample.document, tokenizer)
         segments = segment(document, tokenizer, SegmentationConfig(chunk_size=args.chunk_size))
-        needle = sample.details["needles"][0]
-        value = needle.rsplit(" ", 1)[1].rstrip(".")
+        needle, value = sample.details["needles"][0], sample.answers[0]
         holder = next(s for s in segments if needle in s.text)
         after = next((s for s in segments[holder.index + 1 :] if needle not in s.text), None)
         for name in args.templates.split(","):
