@@ -365,13 +365,11 @@ def test_outputs_are_written_with_a_real_png(tmp_path: Path) -> None:
 
 
 def test_methods_and_tasks_are_parsed_strictly() -> None:
-    methods = parse_methods("memstream:append-evidence, direct,memstream")
-    assert [m.name for m in methods] == [
-        "memstream:append-evidence",
-        "direct",
-        f"memstream:{REFERENCE.name}",
-    ]
+    methods = parse_methods("memstream:append-evidence, direct,memstream:append-evidence")
+    assert [m.name for m in methods] == ["memstream:append-evidence", "direct"]
     assert methods[1].is_direct and methods[0].template == "append-evidence"
+    with pytest.raises(ValueError, match="unknown method 'memstream'"):
+        parse_methods("memstream")  # no template set: the model's default is not implied
     with pytest.raises(ValueError, match="unknown template set"):
         parse_methods("memstream:nope")
     with pytest.raises(ValueError, match="unknown method"):
@@ -419,7 +417,7 @@ def test_the_time_budget_stops_new_configurations(tokenizer) -> None:  # type: i
         for label in ("1k", "2k")
         for task in ("hotpotqa", "niah")
     ]
-    methods: Sequence[EvalMethod] = parse_methods("direct,memstream")
+    methods: Sequence[EvalMethod] = parse_methods(f"direct,memstream:{REFERENCE.name}")
     engine = EchoEngine()
     outcome = asyncio.run(
         run_suite(
@@ -447,7 +445,7 @@ def test_a_resumed_suite_keeps_earlier_configurations_and_runs_only_the_rest(tok
         run_suite(first_engine, tokenizer, groups, parse_methods("direct"), settings)
     )
     second_engine = EchoEngine()
-    both = parse_methods("direct,memstream")
+    both = parse_methods(f"direct,memstream:{REFERENCE.name}")
     resumed = asyncio.run(
         run_suite(second_engine, tokenizer, groups, both, settings, previous=first)
     )

@@ -17,7 +17,7 @@ from ..config import MethodConfig
 from ..core.chain import REFERENCE_MAX_ANSWER_TOKENS, REFERENCE_MAX_MEMORY_TOKENS
 from ..core.extraction import extract_answer, strip_thinking
 from ..core.segmentation import REFERENCE_CHUNK_SIZE
-from ..core.templates import REFERENCE, get_template_set
+from ..core.templates import get_template_set
 from ..engines.base import Engine, GenerationRequest, SamplingConfig
 from ..runner import ChainResult, ChainRunner
 from .direct import build_direct_prompt, chat_overhead_tokens
@@ -39,8 +39,6 @@ class EvalMethod:
         name = text.strip()
         if name == DIRECT:
             return cls(DIRECT, None)
-        if name == "memstream":
-            name = MEMSTREAM_PREFIX + REFERENCE.name
         if name.startswith(MEMSTREAM_PREFIX):
             template = name.removeprefix(MEMSTREAM_PREFIX)
             get_template_set(template)  # an unknown template set fails here, naming the known
@@ -109,9 +107,9 @@ async def run_configuration(
     progress: ProgressHook | None = None,
 ) -> list[Prediction]:
     hook = progress or _NoProgress()
-    if method.is_direct:
+    if method.template is None:
         return await _run_direct(engine, tokenizer, samples, settings, hook)
-    return await _run_memstream(engine, tokenizer, samples, method, settings, hook)
+    return await _run_memstream(engine, tokenizer, samples, method, method.template, settings, hook)
 
 
 async def _run_memstream(
@@ -119,10 +117,11 @@ async def _run_memstream(
     tokenizer: Any,
     samples: Sequence[EvalSample],
     method: EvalMethod,
+    template: str,
     settings: EvalSettings,
     progress: ProgressHook,
 ) -> list[Prediction]:
-    config = settings.method_config(method.template or REFERENCE.name)
+    config = settings.method_config(template)
     prepared = [
         prepare(
             DocumentInput(sample.sample_id, sample.document), [sample.question], tokenizer, config
