@@ -536,7 +536,7 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
     request = resolve_request(
         parse_eval_arguments(
             "--tasks", "hotpotqa,niah", "--lengths", "1.5k", "--samples", "2",
-            "--methods", "memstream,direct", "--chunk-size", "512",
+            "--methods", "memstream:memagent-reference,direct", "--chunk-size", "512",
             "--max-memory-tokens", "32", "--max-answer-tokens", "32", "--output", str(output),
         ),
         context_window=vllm_engine.config.max_model_len,
