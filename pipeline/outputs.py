@@ -45,6 +45,7 @@ ANSWERS_SCHEMA = pa.schema(
         ("completion_tokens", pa.int64()),
         ("model", pa.string()),
         ("engine", pa.string()),
+        ("dtype", pa.string()),
         ("template", pa.string()),
         ("chunk_size", pa.int64()),
         (
@@ -114,6 +115,7 @@ class RunIdentity:
     attempt: int
     model: str
     engine: str
+    dtype: str
     method: MethodConfig
 
 
@@ -207,6 +209,7 @@ def answer_row(row: Mapping[str, Any], run: RunIdentity) -> dict[str, Any]:
         "completion_tokens": row["completion_tokens"],
         "model": run.model,
         "engine": run.engine,
+        "dtype": run.dtype,
         "template": method.template,
         "chunk_size": method.chunk_size,
         "sampling": {"temperature": method.temperature, "top_p": method.top_p, "seed": method.seed},

@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .engines.hardware import DTYPE_HELP, DTYPES
 from .job import JobError, JobSpec, RunSummary, load_job_spec, run_job
 from .progress import progress_bar
 
@@ -29,6 +30,7 @@ FLAG_KEYS: dict[str, tuple[str | None, str]] = {
     "served_model": ("engine", "served_model"),
     "tokenizer": ("engine", "tokenizer"),
     "max_model_len": ("engine", "max_model_len"),
+    "dtype": ("engine", "dtype"),
     "enforce_eager": ("engine", "enforce_eager"),
     "kv_cache_gib": ("engine", "cpu_kvcache_space_gib"),
     "chunk_size": ("method", "chunk_size"),
@@ -81,6 +83,7 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--served-model")
     engine.add_argument("--tokenizer")
     engine.add_argument("--max-model-len", type=positive_int)
+    engine.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     engine.add_argument("--enforce-eager", action="store_const", const=True)
     engine.add_argument("--kv-cache-gib", type=positive_int)
     method = run.add_argument_group("method")
@@ -152,6 +155,7 @@ def summary_table(summary: RunSummary) -> Table:
             f"{summary.tokens_per_s:,.0f} tokens/s, {summary.chains_per_s:.3f} chains/s",
         ),
         ("elapsed", f"{summary.elapsed_s:,.1f} s ({summary.busy_s:,.1f} s answering)"),
+        ("engine", summary.engine),
         *((name, uri) for name, uri in summary.outputs.items()),
         ("state store", summary.state_store),
     ]

@@ -138,7 +138,7 @@ class RunContext:
     run_id: str
     attempt: int
     store_url: str
-    engine: EngineSpec
+    engine: EngineSpec  # resolved: its dtype is concrete, and part of every chain's key
     method: MethodConfig
     questions: tuple[Question, ...]  # asked of every document
 
@@ -148,6 +148,7 @@ class RunContext:
             "question": question,
             "model": self.engine.model,
             "tokenizer": self.engine.tokenizer or self.engine.model,
+            "dtype": self.engine.dtype,
             "method": self.method.as_dict(),
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

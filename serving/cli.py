@@ -14,8 +14,11 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from pipeline.engines.hardware import DTYPE_HELP, DTYPES
 
 from .config import ServingConfig, ServingConfigError, load_config
 from .security import ApiKeys
@@ -35,6 +38,7 @@ def register(subparsers: Any) -> None:
         "--host", help="listen address (default 127.0.0.1); any other needs API keys"
     )
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
+    parser.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP + " (overrides engine.dtype)")
     parser.add_argument(
         "--print-config", action="store_true", help="print the effective settings and exit"
     )
@@ -49,6 +53,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from .store import JobStore, StoreError
 
     config = load_config(args.config).with_server(args.host, args.port)
+    engine = config.engine if args.dtype is None else replace(config.engine, dtype=args.dtype)
+    config = replace(config, engine=engine.resolved())
     if args.print_config:
         print(yaml.safe_dump(config.as_dict(), sort_keys=False), end="")
         return 0
@@ -66,7 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
         scheme_host = f"http://{config.server.host}:{config.server.port}"
         auth = "API keys required" if keys.required else "no API key needed on loopback"
         print(
-            f"memstream: serving {config.engine.model} on {scheme_host} "
+            f"memstream: serving {config.engine.model} ({config.engine.dtype}) on {scheme_host} "
             f"(OpenAPI at {scheme_host}/docs; {auth})",
             flush=True,
         )

@@ -51,10 +51,15 @@ def event_loop_runner():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def vllm_engine(test_model_path: str, event_loop_runner):  # type: ignore[no-untyped-def]
+    from pipeline.engines.hardware import resolve_dtype
     from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 
     config = VLLMEngineConfig(
-        model=test_model_path, max_model_len=4096, enforce_eager=True, cpu_kvcache_space_gib=1
+        model=test_model_path,
+        max_model_len=4096,
+        dtype=resolve_dtype("auto"),  # by the hardware, or $MEMSTREAM_DTYPE
+        enforce_eager=True,
+        cpu_kvcache_space_gib=1,
     )
     engine = event_loop_runner.run(_start(VLLMEngine, config))
     yield engine

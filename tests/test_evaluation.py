@@ -16,6 +16,7 @@ from rich.console import Console
 
 from pipeline.core.templates import REFERENCE
 from pipeline.engines.base import Completion, GenerationRequest
+from pipeline.engines.factory import EngineSpec
 from pipeline.eval_command import (
     QUICK,
     check_chunks_fit,
@@ -462,7 +463,7 @@ def test_results_read_back_as_written_and_resume_refuses_other_settings(tmp_path
     request = resolve_request(
         parse_eval_arguments("--output", str(tmp_path), "--resume"), context_window=16384
     )
-    metadata = run_metadata(request, "m", "vllm")
+    metadata = run_metadata(request, EngineSpec(model="m", dtype="float32"))
     assert previous_results(request, metadata) is None  # nothing to resume yet
     write_outputs(tmp_path, metadata, outcome_for_reports(), plot=False)
     _, read = read_results(tmp_path / RESULTS_JSON)
@@ -473,7 +474,16 @@ def test_results_read_back_as_written_and_resume_refuses_other_settings(tmp_path
         context_window=16384,
     )
     with pytest.raises(ValueError, match="made with another settings"):
-        previous_results(other, run_metadata(other, "m", "vllm"))
+        previous_results(other, run_metadata(other, EngineSpec(model="m", dtype="float32")))
+    in_bf16 = run_metadata(request, EngineSpec(model="m", dtype="bfloat16"))
+    with pytest.raises(ValueError, match="made with another dtype"):
+        previous_results(request, in_bf16)
+    (tmp_path / RESULTS_JSON).write_text(
+        (tmp_path / RESULTS_JSON).read_text().replace('"dtype": "float32",', "")
+    )  # as written before the dtype was recorded, when every engine ran in bfloat16
+    assert previous_results(request, in_bf16) is not None
+    with pytest.raises(ValueError, match="made with another dtype"):
+        previous_results(request, metadata)
 
 
 def test_resumed_metadata_covers_the_earlier_runs_too() -> None:
@@ -541,7 +551,7 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
         ),
         context_window=vllm_engine.config.max_model_len,
     )  # fmt: skip
-    metadata = run_metadata(request, TEST_MODEL, "vllm")
+    metadata = run_metadata(request, EngineSpec(model=TEST_MODEL, dtype=vllm_engine.config.dtype))
     console = Console(stderr=True)
     outcome = event_loop_runner.run(evaluate(request, vllm_engine, tokenizer, metadata, console))
     exit_code = report_run(request, metadata, outcome, console)

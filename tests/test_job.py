@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,7 @@ from pipeline.job import JobError, JobSpec, derive_run_id, load_job_spec, plan_j
 from pipeline.outputs import ResultWriter, RunIdentity
 from pipeline.run_command import spec_from_arguments
 from pipeline.runner import StepRecord
-from pipeline.stages import Question
+from pipeline.stages import Question, RunContext
 from serving.config import config_from_mapping, load_config
 from tests.conftest import TEST_MODEL
 
@@ -249,6 +250,18 @@ def test_run_id_is_stable_and_follows_what_changes_the_answers() -> None:
     other_method = job(sources=["docs"], output="out", method={**METHOD, "chunk_size": 256})
     assert derive_run_id(other_method, questions) != run_id
     assert derive_run_id(spec, (Question("q0", "Other?"),)) != run_id
+    in_bf16 = job(sources=["docs"], output="out", engine={**ENGINE, "dtype": "bfloat16"})
+    assert derive_run_id(in_bf16, questions) != run_id
+
+
+def test_a_chain_key_names_its_dtype_so_a_resumed_chain_never_mixes_dtypes() -> None:
+    spec = job(sources=["docs"], output="out", questions=[QUESTION])
+    contexts = [
+        RunContext("run", 1, "sqlite://", replace(spec.engine, dtype=dtype), spec.method, ())
+        for dtype in ("float32", "bfloat16", "float32")
+    ]
+    keys = [context.chain_key("sha", QUESTION) for context in contexts]
+    assert keys[0] == keys[2] != keys[1]
 
 
 def test_unreadable_sources_and_outputs_fail_before_anything_runs(tmp_path: Path) -> None:
@@ -370,14 +383,19 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
     writer = ResultWriter(filesystem, base, "run-a")
     from pipeline.config import MethodConfig
 
-    tables = writer.export_tables(store, RunIdentity("run-a", 2, "m", "vllm", MethodConfig()))
+    tables = writer.export_tables(
+        store, RunIdentity("run-a", 2, "m", "vllm", "float32", MethodConfig())
+    )
     assert {name: table.rows for name, table in tables.items()} == {
         "answers": 2,
         "trajectory": 3,
         "errors": 0,
     }
-    frame = duckdb.sql(f"SELECT question_id, sampling.top_p FROM '{tables['answers'].uri}'").df()
-    assert frame.values.tolist() == [["q0", 1.0], ["q1", 1.0]]
+    query = f"SELECT question_id, sampling.top_p, dtype FROM '{tables['answers'].uri}'"
+    assert duckdb.sql(query).df().values.tolist() == [
+        ["q0", 1.0, "float32"],
+        ["q1", 1.0, "float32"],
+    ]
 
 
 def test_sqlite_store_takes_concurrent_writers(sqlite_url: str) -> None:

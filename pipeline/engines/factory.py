@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from .. import models
 from .base import Engine
+from .hardware import DTYPES, Hardware, resolve_dtype
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
@@ -18,7 +19,7 @@ class EngineSpec:
     model: str = DEFAULT_MODEL  # packaged model name, local Hugging Face folder or hub id
     # vLLM in process
     max_model_len: int | None = None  # default: the packaged model's, else 8192
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: by the hardware (pipeline.engines.hardware); or a vLLM dtype
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_space_gib: int | None = 4
@@ -35,6 +36,8 @@ class EngineSpec:
     def __post_init__(self) -> None:
         if self.kind not in ("vllm", "openai"):
             raise ValueError(f"engine must be 'vllm' or 'openai', got {self.kind!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kind == "openai" and not self.base_url:
             raise ValueError("the openai engine needs a base URL (--base-url http://host:port/v1)")
 
@@ -44,6 +47,13 @@ class EngineSpec:
             return self.max_model_len
         packaged = models.PACKAGED_MODELS.get(self.model)
         return min(packaged.max_model_len, 16384) if packaged else 8192
+
+    def resolved(self, hardware: Hardware | None = None) -> EngineSpec:
+        """This spec with `auto` settings made concrete for `hardware` (default: this machine),
+        as recorded in a run's tables and chain keys. An HTTP engine's dtype is the server's."""
+        if self.kind != "vllm":
+            return self
+        return replace(self, dtype=resolve_dtype(self.dtype, hardware))
 
 
 def load_tokenizer(spec: EngineSpec) -> Any:
@@ -75,7 +85,7 @@ def open_engine(spec: EngineSpec) -> Engine:
         VLLMEngineConfig(
             model=models.resolve(spec.model),
             max_model_len=spec.resolved_max_model_len,
-            dtype=spec.dtype,
+            dtype=resolve_dtype(spec.dtype),
             tensor_parallel_size=spec.tensor_parallel_size,
             gpu_memory_utilization=spec.gpu_memory_utilization,
             cpu_kvcache_space_gib=spec.cpu_kvcache_space_gib,

