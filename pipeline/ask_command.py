@@ -6,18 +6,22 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from connectors.state_store import RunProgress
 from operators.parsing import ParseError, parse_document
 
+from . import terminal
 from .ask import DocumentInput, PreparedDocument, answer, prepare
 from .config import MethodConfig
+from .core.chain import MemoryChain
 from .engines.factory import EngineSpec, load_tokenizer, open_engine
-from .runner import ChainResult, ChainRunner
+from .progress import progress_bar
+from .runner import ChainResult, ChainRunner, StepRecord
 
 EXIT_PARTIAL_FAILURE = 1
 EXIT_NOTHING_READABLE = 2
@@ -31,7 +35,8 @@ def ask_files(
     *,
     as_json: bool,
 ) -> int:
-    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    term = terminal.current()
+    console = term.console()
     documents, failures = read_documents(paths)
     for path, reason in failures.items():
         console.print(f"[red]skipped[/red] {path}: {reason}")
@@ -42,9 +47,10 @@ def ask_files(
     prepared = [prepare(document, questions, tokenizer, method) for document in documents]
     results, timings = asyncio.run(run_with_progress(prepared, spec, method, console))
     if as_json:
-        print(json.dumps(as_records(prepared, results, spec, timings), indent=2))
+        print(json.dumps(as_records(prepared, results, spec, timings), indent=2), file=term.out)
     else:
-        print_answers(prepared, results)
+        print_answers(prepared, results, term.out)
+    term.print_log_path()
     failed_chains = sum(r.status != "ok" for rs in results.values() for r in rs)
     if failures or failed_chains:
         console.print(f"{len(failures)} file(s) skipped, {failed_chains} question(s) failed")
@@ -74,44 +80,51 @@ async def run_with_progress(
     console: Console,
 ) -> tuple[dict[str, list[ChainResult]], dict[str, float]]:
     started = time.perf_counter()
-    with console.status(f"starting the {spec.kind} engine for {spec.model}"):
+    chains = [chain for document in prepared for chain in document.chains]
+    planned = RunProgress(0, sum(chain.n_steps for chain in chains), 0, len(chains))
+    with progress_bar(console, starting=f"starting the engine for {spec.model}") as show:
+        show(replace(planned, steps_planned=0))
         engine = open_engine(spec)
-        if hasattr(engine, "check"):
-            await engine.check()
-    startup = time.perf_counter() - started
-    total_steps = sum(chain.n_steps for document in prepared for chain in document.chains)
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("segments"),
-        TimeElapsedColumn(),
-        console=console,
-    )
-    try:
-        with progress:
-            task = progress.add_task("reading", total=total_steps)
+        try:
+            if hasattr(engine, "check"):
+                await engine.check()
+            startup = time.perf_counter() - started
+            done = planned
+            show(done)
+
+            def step_done(chain: MemoryChain, _: StepRecord) -> None:
+                nonlocal done
+                done = replace(
+                    done,
+                    steps_done=done.steps_done + 1,
+                    chains_done=done.chains_done + chain.done,
+                )
+                show(done)
+
             runner = ChainRunner(engine, method.sampling())
-            results = await answer(runner, prepared, lambda *_: progress.advance(task))
-    finally:
-        await engine.shutdown()
+            results = await answer(runner, prepared, step_done)
+        finally:
+            await engine.shutdown()
     return results, {"engine_startup_s": startup, "total_s": time.perf_counter() - started}
 
 
-def print_answers(prepared: Sequence[PreparedDocument], results: dict[str, list[ChainResult]]):
+def print_answers(
+    prepared: Sequence[PreparedDocument], results: dict[str, list[ChainResult]], out: TextIO
+) -> None:
+    def say(line: str) -> None:
+        print(line, file=out)
+
     for document in prepared:
-        print(
-            f"{document.doc_id}  ({len(document.segments)} segments, {document.n_tokens:,} tokens)"
-        )
+        say(f"{document.doc_id}  ({len(document.segments)} segments, {document.n_tokens:,} tokens)")
         for result in results[document.doc_id]:
-            print(f"  Q: {result.question}")
+            say(f"  Q: {result.question}")
             if result.status != "ok":
-                print(f"  failed: {result.error}")
+                say(f"  failed: {result.error}")
             elif result.answer is None:
-                print("  A: (no answer: the model did not say 'the answer is')")
-                print(f"     raw: {one_line(result.raw_response or '')}")
+                say("  A: (no answer: the model did not say 'the answer is')")
+                say(f"     raw: {one_line(result.raw_response or '')}")
             else:
-                print(f"  A: {result.answer}")
+                say(f"  A: {result.answer}")
 
 
 def one_line(text: str, limit: int = 200) -> str:

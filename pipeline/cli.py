@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import models
+from . import models, terminal
 from .config import MethodConfig, default_template
 from .engines.base import EngineError
 from .engines.factory import DEFAULT_MODEL, EngineSpec
@@ -35,20 +35,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, models.ModelError, EngineError, ValueError, OSError) as error:
         if os.environ.get("MEMSTREAM_DEBUG"):
             raise
-        print(f"memstream: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(f"memstream: error: {error}", EXIT_USAGE)
     except KeyboardInterrupt:
-        print("memstream: interrupted", file=sys.stderr)
-        return 130
+        return _fail("memstream: interrupted; rerun the same command to resume", 130)
     except Exception as error:  # an unexpected failure: still one line, the traceback on demand
         if os.environ.get("MEMSTREAM_DEBUG"):
             raise
-        print(
+        return _fail(
             f"memstream: error: {type(error).__name__}: {error} "
             "(set MEMSTREAM_DEBUG=1 to see the traceback)",
-            file=sys.stderr,
+            EXIT_USAGE,
         )
-        return EXIT_USAGE
+
+
+def _fail(message: str, code: int) -> int:
+    """One line on the terminal; the log, when there is one, keeps the rest."""
+    err = terminal.current().err
+    log_path = terminal.current().log_path
+    print(message + (f" (log: {log_path})" if log_path else ""), file=err, flush=True)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(ask)
     add_method_arguments(ask)
     ask.add_argument("--json", action="store_true", help="print results as JSON")
+    add_verbose_argument(ask)
     ask.set_defaults(handler=run_ask)
 
     demo = commands.add_parser("demo", help="generate the demo corpus and answer its questions")
@@ -73,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_arguments(demo)
     add_method_arguments(demo)
+    add_verbose_argument(demo)
     # A demo should start fast and finish in minutes on a laptop CPU: eager mode (no compile),
     # and the short memory and answer budgets the demo's accuracy table was measured with.
     demo.set_defaults(
@@ -98,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     listing = model_actions.add_parser("list", help="packaged models and where they are cached")
     listing.set_defaults(handler=run_models_list)
     return parser
+
+
+def add_verbose_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show what Ray, vLLM and the model print (by default it goes to a log file)",
+    )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +191,7 @@ def method_config(args: argparse.Namespace) -> MethodConfig:
 def run_ask(args: argparse.Namespace) -> int:
     from .ask_command import ask_files
 
+    terminal.capture(None, "ask", verbose=args.verbose)
     return ask_files(
         [Path(p) for p in args.paths],
         args.questions,
@@ -187,6 +204,7 @@ def run_ask(args: argparse.Namespace) -> int:
 def run_demo_command(args: argparse.Namespace) -> int:
     from .demo_command import run_demo
 
+    terminal.capture(args.output.resolve(), "demo", verbose=args.verbose)
     return run_demo(args.output, engine_spec(args), method_config(args), args.scale)
 
 

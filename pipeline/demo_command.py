@@ -10,20 +10,19 @@ import json
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from rich.console import Console
 from rich.table import Table
 
-from . import democorpus
+from . import democorpus, terminal
 from .config import MethodConfig
 from .core.extraction import string_match_any
 from .engines.factory import EngineSpec
-from .job import JobSpec, OutputSpec, run_job
-from .progress import progress_bar
-from .run_command import summary_table
+from .job import JobSpec, OutputSpec
+from .run_command import run_with_progress
 
 
 def run_demo(output: Path, spec: EngineSpec, method: MethodConfig, scale: float) -> int:
-    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    term = terminal.current()
+    console = term.console()
     output = output.resolve()
     corpus = output / "corpus"
     documents = democorpus.generate(scale=scale)
@@ -35,9 +34,7 @@ def run_demo(output: Path, spec: EngineSpec, method: MethodConfig, scale: float)
         engine=spec,
         method=method,
     )
-    with progress_bar(console) as show_progress:
-        summary = run_job(job, on_progress=show_progress, progress_interval_s=2.0)
-    Console().print(summary_table(summary))
+    summary = run_with_progress(job, term)
 
     expected = {
         (row["document"], row["question"]): row["expected"]
@@ -56,11 +53,14 @@ def run_demo(output: Path, spec: EngineSpec, method: MethodConfig, scale: float)
         shown = row["answer"] if row["answer"] is not None else f"({row['status']}: no answer)"
         table.add_row(document, f"{row['n_tokens']:,}", row["question"], gold, shown,
                       "✓" if found else "✗")  # fmt: skip
-    Console().print(table)
-    print(f"{correct}/{len(expected)} planted facts found")
+    term.result_console().print(table)
     folder = Path(summary.outputs["answers"]).parent
-    print(f"outputs: {folder} (answers, trajectory, errors as Parquet; manifest.json)")
     query = f"SELECT source_uri, question, answer FROM '{folder}/answers.parquet'"
-    print("look at them with DuckDB, e.g.:")
-    print(f'  .venv/bin/python -c "import duckdb; duckdb.sql(\\"{query}\\").show()"')
+    for line in (
+        f"{correct}/{len(expected)} planted facts found",
+        f"outputs: {folder} (answers, trajectory, errors as Parquet; manifest.json)",
+        "look at them with DuckDB, e.g.:",
+        f'  .venv/bin/python -c "import duckdb; duckdb.sql(\\"{query}\\").show()"',
+    ):
+        print(line, file=term.out)
     return 0 if summary.ok else 1

@@ -22,6 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from . import terminal
 from .engines.base import Engine
 from .engines.factory import EngineSpec, load_tokenizer, open_engine
 from .evaluation import corpora
@@ -74,7 +75,7 @@ QUICK = RunDefaults(
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    from .cli import add_engine_arguments, positive_int
+    from .cli import add_engine_arguments, add_verbose_argument, positive_int
 
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "eval",
@@ -140,6 +141,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--corpora", type=Path, default=corpora.DEFAULT_CORPORA)
     add_engine_arguments(parser)
+    add_verbose_argument(parser)
     parser.set_defaults(handler=run_eval_command)
     return parser
 
@@ -269,11 +271,12 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
     spec = engine_spec(args).resolved()
     request = resolve_request(args, spec.resolved_max_model_len)
+    terminal.capture(request.output.resolve(), "eval", verbose=args.verbose)
     return run_eval(request, spec)
 
 
 def run_eval(request: EvalRequest, spec: EngineSpec) -> int:
-    console = Console(stderr=True, soft_wrap=True, highlight=False)
+    console = terminal.current().console()
     tokenizer = load_tokenizer(spec)
     metadata = run_metadata(request, spec)
     found = previous_results(request, metadata) if request.resume else None
@@ -382,8 +385,11 @@ def report_run(
         written.append(request.output / ACCURACY_PLOT)
     except ImportError:
         console.print(f"no {ACCURACY_PLOT}: matplotlib is not installed (pip install matplotlib)")
-    print(render_markdown(metadata, outcome).split("\n## All metrics")[0])
+    print(
+        render_markdown(metadata, outcome).split("\n## All metrics")[0], file=terminal.current().out
+    )
     console.print("wrote " + ", ".join(str(path) for path in written))
+    terminal.current().print_log_path()
     failed = sum(prediction.status != "ok" for prediction in outcome.predictions)
     if failed:
         console.print(f"{failed} prediction(s) failed; see the errors in results.json")

@@ -59,48 +59,88 @@ def log_progress(progress: RunProgress) -> None:
 
 
 @contextmanager
-def progress_bar(console: Console) -> Iterator[ProgressCallback]:
-    """A bar over model calls on `console`; the total grows as documents are planned. Where
-    `console` is not a terminal (a log file, a DAG task), a line now and then instead."""
+def progress_bar(console: Console, starting: str = "starting") -> Iterator[ProgressCallback]:
+    """A bar over model calls on `console`, with the time left once a call has finished; the
+    total grows as documents are planned. Until a first reading plans any call, it says
+    `starting` (Ray, the engine, the first documents). Where `console` is not a terminal (a
+    log file, a DAG task), a line now and then instead."""
     if not console.is_terminal:
-        yield progress_lines(console)
+        yield progress_lines(console, starting)
         return
     columns = (
-        TextColumn("model calls"),
+        TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("chains answered {task.fields[chains]}"),
         TimeElapsedColumn(),
+        TextColumn("{task.fields[left]}"),
     )
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task("calls", total=None, chains="0/0")
+        task = bar.add_task(starting, total=None, chains="0/0", left="")
+        first_done_at: list[float] = []
 
         def update(progress: RunProgress) -> None:
+            if progress.steps_done and not first_done_at:
+                first_done_at.append(time.monotonic())
             bar.update(
                 task,
+                description="model calls" if progress.steps_planned else starting,
                 completed=progress.steps_done,
                 total=progress.steps_planned or None,
                 chains=f"{progress.chains_done}/{progress.chains_planned}",
+                left=_time_left(progress, first_done_at),
             )
 
         yield update
 
 
-def progress_lines(console: Console, every_s: float = 30.0) -> ProgressCallback:
+def _time_left(progress: RunProgress, first_done_at: list[float]) -> str:
+    """From the pace since the first call finished (start-up and the first call's own wait are
+    not the pace of the rest)."""
+    if (
+        not first_done_at
+        or progress.steps_done < 2
+        or progress.steps_done >= progress.steps_planned
+    ):
+        return ""
+    pace = (time.monotonic() - first_done_at[0]) / (progress.steps_done - 1)
+    seconds = pace * max(progress.steps_planned - progress.steps_done, 0)
+    return f"about {_duration(seconds)} left"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def progress_lines(
+    console: Console, starting: str = "starting", every_s: float = 30.0
+) -> ProgressCallback:
     """Prints the reading when it changed, at most every `every_s` seconds, except the one
-    that answers the last chain planned so far."""
+    that answers the last chain planned so far; `starting` until a call is planned."""
     started = time.monotonic()
     last: tuple[float, RunProgress | None] = (-every_s, None)
+    first_done_at: list[float] = []
 
     def report(progress: RunProgress) -> None:
         nonlocal last
         now = time.monotonic()
-        finished = progress.chains_done == progress.chains_planned
+        if progress.steps_done and not first_done_at:
+            first_done_at.append(now)
+        finished = progress.chains_planned > 0 and progress.chains_done == progress.chains_planned
         if progress != last[1] and (finished or now - last[0] >= every_s):
             last = (now, progress)
+            if not progress.steps_planned:
+                console.print(f"{starting}, {now - started:.0f} s")
+                return
+            left = _time_left(progress, first_done_at)
             console.print(
                 f"model calls {progress.steps_done}/{progress.steps_planned}, chains answered "
                 f"{progress.chains_done}/{progress.chains_planned}, {now - started:.0f} s"
+                + (f", {left}" if left else "")
             )
 
     return report

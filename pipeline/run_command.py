@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
+from . import terminal
 from .engines.hardware import DTYPE_HELP, DTYPES
 from .job import JobError, JobSpec, RunSummary, load_job_spec, run_job
 from .progress import progress_bar
@@ -51,7 +52,7 @@ FLAG_KEYS: dict[str, tuple[str | None, str]] = {
 
 def register(subparsers: Any) -> None:
     """Adds `run` to the `memstream` subcommands."""
-    from .cli import positive_int
+    from .cli import add_verbose_argument, positive_int
 
     run = subparsers.add_parser(
         "run",
@@ -64,6 +65,7 @@ def register(subparsers: Any) -> None:
         argument_default=argparse.SUPPRESS,
     )
     run.add_argument("job", nargs="?", metavar="JOB.yaml", help="a job file (see examples/)")
+    add_verbose_argument(run)
     inputs = run.add_argument_group("inputs and outputs (override the job file)")
     inputs.add_argument(
         "--input", action="append", dest="inputs", metavar="URI",
@@ -106,10 +108,45 @@ def register(subparsers: Any) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     spec = spec_from_arguments(args)
-    with progress_bar(Console(stderr=True)) as show_progress:
-        summary = run_job(spec, on_progress=show_progress, progress_interval_s=2.0)
-    Console().print(summary_table(summary))
+    term = terminal.capture(
+        Path(spec.output.uri) if spec.output.is_local else None,
+        "run",
+        verbose=getattr(args, "verbose", False),
+    )
+    summary = run_with_progress(spec, term)
     return 0 if summary.ok else EXIT_PARTIAL_FAILURE
+
+
+def run_with_progress(spec: JobSpec, term: terminal.Terminal) -> RunSummary:
+    """Runs the job with a progress bar, then prints its summary, one line per error row and
+    failed chain, and where the logs are."""
+    with progress_bar(term.console(), starting="starting Ray and the engine") as show_progress:
+        summary = run_job(spec, on_progress=show_progress, progress_interval_s=2.0)
+    term.result_console().print(summary_table(summary))
+    for line in problem_lines(summary):
+        print(line, file=term.err)
+    term.print_log_path()
+    return summary
+
+
+def problem_lines(summary: RunSummary, limit: int = 20) -> list[str]:
+    """Each input that went to errors and each failed chain, one line each."""
+    import pyarrow.parquet as pq
+
+    lines = []
+    if summary.errors and "errors" in summary.outputs:
+        for row in pq.read_table(summary.outputs["errors"]).to_pylist():
+            lines.append(f"not answered: {row['name']}: {row['message']} ({row['stage']})")
+    if summary.chains_failed and "answers" in summary.outputs:
+        answers = pq.read_table(
+            summary.outputs["answers"], columns=["name", "question", "status", "error"]
+        ).to_pylist()
+        for row in answers:
+            if row["status"] == "failed":
+                lines.append(f"failed: {row['name']}: {row['question']!r}: {row['error']}")
+    if len(lines) > limit:
+        lines = [*lines[:limit], f"... and {len(lines) - limit} more (see the tables)"]
+    return lines
 
 
 def spec_from_arguments(args: argparse.Namespace) -> JobSpec:

@@ -68,3 +68,31 @@ def vllm_engine(test_model_path: str, event_loop_runner):  # type: ignore[no-unt
 
 async def _start(factory, config):  # type: ignore[no-untyped-def]
     return factory(config)
+
+
+# What Ray, vLLM, torch and transformers print while memstream starts and runs an engine; a
+# command's terminal shows none of it, and its log file holds it.
+LIBRARY_NOISE = (
+    "Triton not available",
+    "FutureWarning",
+    "torch.distributed.reduce_op",
+    "NUMA binding",
+    "core_worker.cc",
+    "constructor arguments in the object store",
+    "Token authentication is enabled",
+    "Loading safetensors",
+    "Traceback",
+)
+
+
+def assert_clean_terminal(stdout: str, stderr: str) -> Path:
+    """No library output on the terminal; returns the log file the command named, which must
+    hold some of it (else the check above could not fail)."""
+    for noise in LIBRARY_NOISE:
+        assert noise not in stdout and noise not in stderr, f"{noise!r} reached the terminal"
+    named = [line for line in stderr.splitlines() if line.startswith("logs of Ray, vLLM")]
+    assert len(named) == 1, stderr[-2000:]
+    log = Path(named[0].rsplit(": ", 1)[1])
+    logged = log.read_text(errors="replace")
+    assert any(noise in logged for noise in LIBRARY_NOISE[:8]), logged[-2000:]
+    return log

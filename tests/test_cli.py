@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, assert_clean_terminal
 
 TINY_RUN = [
     "--model", TEST_MODEL, "--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "2048",
@@ -116,7 +117,8 @@ def test_ask_answers_good_files_and_reports_the_bad_one(corpora: Path, tmp_path:
 
     assert result.returncode == 1, result.stderr[-3000:]
     assert "scan.pdf: no text layer (needs OCR)" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert_clean_terminal(result.stdout, result.stderr)
+    assert "model calls " in result.stderr  # progress lines, though stderr is not a terminal
     records = json.loads(result.stdout)
     assert [(Path(r["document"]).name, r["question"]) for r in records] == [
         ("notes.md", "Who is the budget owner?"),
@@ -132,3 +134,29 @@ def test_ask_answers_good_files_and_reports_the_bad_one(corpora: Path, tmp_path:
         assert record["prompt_tokens"] > record["n_tokens"]
         assert record["timings"]["engine_startup_s"] > 0
         assert record["model"] == TEST_MODEL
+
+
+@pytest.mark.engine
+def test_ctrl_c_during_the_chains_ends_ask_with_one_line(tmp_path: Path) -> None:
+    document = tmp_path / "long.md"
+    document.write_text("The budget owner is Priya Raman.\n" + "The team met again. " * 3000)
+    command = [sys.executable, "-m", "pipeline.cli", "ask", str(document), "-q", "Who?", *TINY_RUN]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdin=subprocess.DEVNULL,
+    ) as process:  # fmt: skip
+        assert process.stderr is not None
+        seen = []
+        for line in process.stderr:  # progress lines, until the first model call is done
+            seen.append(line)
+            if line.startswith("model calls ") and not line.startswith("model calls 0/"):
+                break
+        else:
+            pytest.fail("no progress line: " + "".join(seen)[-2000:])
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends: the whole process group
+        stdout, rest = process.communicate(timeout=120)
+    stderr = "".join(seen) + rest
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "RuntimeError" not in stderr, stderr[-3000:]
+    (last,) = [line for line in stderr.splitlines() if "interrupted" in line]
+    assert last.startswith("memstream: interrupted") and stdout == ""

@@ -47,7 +47,7 @@ from pipeline.run_command import spec_from_arguments
 from pipeline.runner import StepRecord
 from pipeline.stages import Question, RunContext
 from serving.config import config_from_mapping, load_config
-from tests.conftest import TEST_MODEL
+from tests.conftest import TEST_MODEL, assert_clean_terminal
 
 if TYPE_CHECKING:
     from tests.services import S3Server
@@ -654,6 +654,8 @@ def test_memstream_run_shows_progress_and_leaves_no_process_behind(
         assert result.returncode == 0, result.stderr[-3000:]
         assert "model calls" in result.stderr and "chains answered 1/1" in result.stderr
         assert "answered" in result.stdout
+        log = assert_clean_terminal(result.stdout, result.stderr)
+        assert log.parent == tmp_path / "out" / "logs"
         (answers_file,) = (tmp_path / "out").glob("*/answers.parquet")
         answers = pd.read_parquet(answers_file)
         assert answers.status.tolist() == ["done"] and answers.raw_response.str.len().min() > 0

@@ -1,0 +1,485 @@
+"""Evidence for an answer: where in the source it came from, and whether it is grounded there.
+
+The grounding rule. Finding the answer's string somewhere proves little: "25%", "1", "Yes" or
+"$1,000,000" occur in any filing. An answer is grounded only when both hold in one segment:
+
+1. Its content is found there: exactly after normalisation (case, punctuation and articles
+   ignored, word and number boundaries respected: "25" does not match "125" or "25.5"), or,
+   for answers that are not short, by `rapidfuzz.fuzz.partial_ratio_alignment` scoring at least
+   `ANSWER_FUZZY_MIN_SCORE`, with every number of the answer present in the matched text.
+2. Context confirms it, within `CONTEXT_CHARS` either side of the match (same segment). The
+   context terms are the question's content words (stop words removed) that the answer does
+   not itself contain, matched by their first `STEM_CHARS` characters ("governs" ~ "governed").
+   - Short answers (fewer than `SHORT_ANSWER_MIN_CHARS` letters and digits, or pure numbers) and
+     one- or two-word answers need `SHORT_MIN_TERMS` context terms outside the match, or a memory
+     sentence that contains the answer and matches the source there with a score of at least
+     `MEMORY_SUPPORT_MIN_SCORE`. Exact matches only for short answers.
+   - Specific answers (`SPECIFIC_ANSWER_MIN_WORDS` words or more) need `SPECIFIC_MIN_TERMS`
+     context term nearby; none when the answer already contains all of the question's terms.
+
+No answer (None, empty, or the model saying the document does not tell) and yes/no answers are
+never grounded: there is nothing to locate. Evidence then still lists where the final memory's
+sentences were found (matches="memory", fuzzy score at least `min_score`), so a reviewer can see
+what the chain read.
+
+Searches run on each segment's lower-cased text joined into one string (length-preserving, so
+offsets stay exact): one C-level regex scan per answer, question term and memory-sentence anchor,
+and fuzzy alignment only in short windows around anchor hits, so the cost is linear in the text.
+Offsets are exact when each segment's text is the slice of the document text its char offsets
+name; segments whose text length disagrees with their offsets are skipped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import string
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from itertools import islice
+
+from rapidfuzz import fuzz
+
+from .extraction import normalize_answer
+from .segmentation import Segment
+from .templates import INITIAL_MEMORY
+
+# Half-width of the window around an answer match in which question terms must appear: about
+# one paragraph, so a term from an unrelated clause or table a page away does not count.
+CONTEXT_CHARS = 300
+# Answers with fewer letters and digits than this ("1", "25%", "Yes") are short.
+SHORT_ANSWER_MIN_CHARS = 4
+# Answers with this many words or more are specific enough to rest on one nearby term.
+SPECIFIC_ANSWER_MIN_WORDS = 3
+SHORT_MIN_TERMS = 2
+SPECIFIC_MIN_TERMS = 1
+# partial_ratio of a fuzzy answer match: 90 allows a plural or a dropped "Inc." in a name of
+# twenty characters, not a different name ("john doe" vs "john roe" scores 87.5).
+ANSWER_FUZZY_MIN_SCORE = 90.0
+# Default floor for memory evidence: a paraphrased memory sentence scores 70-80 against its source
+# sentence, a verbatim copy 100; the same sentence with a different key fact falls to about 60.
+MIN_SCORE = 70.0
+# A memory sentence vouches for an answer found beside it only when it is nearly verbatim.
+MEMORY_SUPPORT_MIN_SCORE = 85.0
+# Question terms match words that start with their first STEM_CHARS characters.
+STEM_CHARS = 5
+# Fuzzy alignment runs only around hits of a needle's longest words, cut to ANCHOR_CHARS.
+ANCHOR_CHARS = 6
+ANCHORS_PER_NEEDLE = 2
+MAX_ANCHOR_HITS = 500
+MAX_MEMORY_SENTENCES = 40
+MEMORY_MIN_CHARS = 12
+MAX_QUESTION_TERMS = 12
+
+_STOP_WORDS_TEXT = """
+    a about above after again all also am an and any are as at based be been before being below
+    between both but by can could describe did do does doing done during each either else ever
+    every few for from further get gets give given had has have having he her here hers him his
+    how i if in into is it its itself just let list many may me might more most much must my
+    name named no nor not now of off on once one only or other our ours out over own per please
+    provide provided said same say says she should so some such tell than that the their them
+    then there these they this those through to too under until up upon us very was we were what
+    when where whether which while who whom whose why will with within would yes you your
+    according answer article context document mentioned passage question section stated text
+"""
+STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
+
+_TOKEN = re.compile(r"[^\W_]+")
+_ARTICLES = frozenset({"a", "an", "the"})
+# Between the words of a phrase: any run of non-alphanumerics except the segment separator NUL,
+# optionally with articles, as `normalize_answer` drops them.
+_SEP = r"(?:[^\w\x00]|_)+(?:(?:a|an|the)(?:[^\w\x00]|_)+)*"
+_NUMBER_GOES_ON = r"(?![^\W_]|[.,]\d)"
+_FOLD = str.maketrans(
+    dict.fromkeys(
+        string.punctuation + "\u2018\u2019\u201c\u201d\u2013\u2014\u2026\u2022\u00a7", " "
+    )
+)
+_BULLET = re.compile(r"^\s*(?:[-*\u2022]+|\d+[.)])\s+")
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])(?<!\b[A-Z]\.)\s+(?=[\"'(\[]?[A-Z0-9])")
+_DROPPED_MARKER = re.compile(r"\[dropped \d+ older lines\]")
+_NO_ANSWER = re.compile(
+    r"^(?:none|unknown|unanswerable|no answer|noanswer|n a|not applicable)$"
+    r"|\bnot (?:be )?(?:mentioned|provided|specified|stated|given|found|available|included"
+    r"|present|disclosed|known|contained|addressed|indicated|determinable)\b"
+    r"|\b(?:no|insufficient|not enough) (?:information|data|details|mention)\b"
+    r"|\b(?:cannot|cant|can not) (?:be )?(?:determined|found|answered|inferred|identified)\b"
+    r"|\b(?:(?:does|do|did) not|doesnt|dont|didnt) (?:mention|provide|specify|state|say"
+    r"|contain|include|give|indicate|disclose)\b"
+    r"|\bnot in (?:document|text|memory|section|article|passage|context|provided)\b"
+)
+_YES_NO = frozenset({"yes", "no", "true", "false"})
+
+
+@dataclass(frozen=True)
+class Evidence:
+    segment_index: int
+    page: int | None  # 1-based page holding char_start; None without page starts
+    char_start: int  # offsets into the whole document text
+    char_end: int
+    quote: str  # document_text[char_start:char_end]
+    score: float  # 0..100; 100 for exact matches after normalisation
+    matches: str  # "answer" or "memory"
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Grounding:
+    evidence: tuple[Evidence, ...]  # answer matches first, then memory matches; best first
+    grounded: bool
+    reason: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "evidence": [item.as_dict() for item in self.evidence],
+            "grounded": self.grounded,
+            "reason": self.reason,
+        }
+
+
+def page_of(char_offset: int, page_starts: Sequence[int] | None) -> int | None:
+    """The 1-based page holding `char_offset`, given each page's ascending start offset. Text
+    before the first start counts as page 1; of pages starting at one offset, the last holds it."""
+    if char_offset < 0:
+        raise ValueError(f"char_offset must not be negative, got {char_offset}")
+    if not page_starts:
+        return None
+    return max(bisect.bisect_right(page_starts, char_offset), 1)
+
+
+def find_evidence(
+    question: str,
+    answer: str | None,
+    final_memory: str,
+    segments: Sequence[Segment],
+    page_starts: Sequence[int] | None = None,
+    *,
+    max_items: int = 3,
+    min_score: float = MIN_SCORE,
+) -> Grounding:
+    """Locates `answer` and the memory's sentences in `segments` and applies the grounding rule."""
+    if max_items < 0:
+        raise ValueError(f"max_items must not be negative, got {max_items}")
+    corpus = _Corpus(segments)
+    memory = _memory_matches(final_memory, corpus, min_score)
+    memory_evidence = [corpus.evidence(m.match, "memory", page_starts) for m in memory]
+    answer_matches, grounded, reason = _ground(question, answer, corpus, memory, page_starts)
+    answer_evidence = [corpus.evidence(match, "answer", page_starts) for match in answer_matches]
+    return Grounding(tuple((answer_evidence + memory_evidence)[:max_items]), grounded, reason)
+
+
+@dataclass(frozen=True)
+class _Match:
+    start: int  # offsets into _Corpus.text
+    end: int
+    score: float
+
+
+@dataclass(frozen=True)
+class _MemoryMatch:
+    phrase: str  # the sentence's words, lower-cased, articles dropped, one space apart
+    match: _Match
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    match: _Match
+    terms: tuple[str, ...]  # context terms found near the match
+    memory_support: bool
+
+
+class _Corpus:
+    """The segments' lower-cased texts joined by NUL, with each segment's start in the join."""
+
+    def __init__(self, segments: Sequence[Segment]) -> None:
+        self.segments = [s for s in segments if len(s.text) == s.char_end - s.char_start]
+        self.starts: list[int] = []
+        position = 0
+        for seg in self.segments:
+            self.starts.append(position)
+            position += len(seg.text) + 1
+        self.text = "\x00".join(_lower(seg.text) for seg in self.segments)
+
+    def locate(self, position: int) -> tuple[int, int, int]:
+        """The index in `segments` of the segment holding `position`, and its bounds."""
+        i = bisect.bisect_right(self.starts, position) - 1
+        return i, self.starts[i], self.starts[i] + len(self.segments[i].text)
+
+    def occurrences(self, pattern: re.Pattern[str]) -> Iterable[re.Match[str]]:
+        return (m for m in pattern.finditer(self.text) if _starts_word(self.text, m.start()))
+
+    def evidence(self, match: _Match, matches: str, page_starts: Sequence[int] | None) -> Evidence:
+        i, lo, _ = self.locate(match.start)
+        seg = self.segments[i]
+        start, end = seg.char_start + match.start - lo, seg.char_start + match.end - lo
+        quote = seg.text[match.start - lo : match.end - lo]
+        return Evidence(
+            seg.index, page_of(start, page_starts), start, end, quote, match.score, matches
+        )
+
+    def align(self, text: str, cutoff: float) -> list[_Match]:
+        """Fuzzy matches of `text` scoring at least `cutoff`, searched only in windows around the
+        hits of its longest words; a window spans the needle's length on either side."""
+        needle = _fold(text)
+        matches: list[_Match] = []
+        pad = len(needle)
+        for word, offset in _anchors(needle):
+            pattern = re.compile(re.escape(word[:ANCHOR_CHARS]))
+            for hit in islice(self.occurrences(pattern), MAX_ANCHOR_HITS):
+                _, lo, hi = self.locate(hit.start())
+                window_start = max(lo, hit.start() - offset - pad)
+                window_end = min(hi, hit.start() - offset + len(needle) + pad)
+                window = self.text[window_start:window_end].translate(_FOLD)
+                found = fuzz.partial_ratio_alignment(needle, window, score_cutoff=cutoff)
+                if found is None:
+                    continue
+                start, end = self._snap(
+                    window_start + found.dest_start, window_start + found.dest_end
+                )
+                if start < end:
+                    matches.append(_Match(start, end, found.score))
+            if matches:
+                break
+        return _best_disjoint(matches)
+
+    def _snap(self, start: int, end: int) -> tuple[int, int]:
+        """Trims a span to alphanumerics at both ends, then widens it to whole words."""
+        text = self.text
+        while start < end and not text[start].isalnum():
+            start += 1
+        while end > start and not text[end - 1].isalnum():
+            end -= 1
+        if start == end:
+            return start, end
+        while start > 0 and text[start - 1].isalnum():
+            start -= 1
+        while end < len(text) and text[end].isalnum():
+            end += 1
+        return start, end
+
+
+def _ground(
+    question: str,
+    answer: str | None,
+    corpus: _Corpus,
+    memory: list[_MemoryMatch],
+    page_starts: Sequence[int] | None,
+) -> tuple[list[_Match], bool, str]:
+    normalized = normalize_answer(answer or "")
+    if not normalized:
+        return [], False, "No answer was given."
+    if _NO_ANSWER.search(normalized):
+        return [], False, "No answer: the model said the document does not give one."
+    if normalized in _YES_NO:
+        return [], False, "A yes/no answer cannot be traced to a passage; see the memory evidence."
+    words = _words(answer or "")
+    if not words:
+        return [], False, "The answer has no words or numbers to look up."
+    short = sum(map(len, words)) < SHORT_ANSWER_MIN_CHARS or all(w.isdigit() for w in words)
+    specific = not short and len(_content_words(answer or "")) >= SPECIFIC_ANSWER_MIN_WORDS
+    phrase = " ".join(words)
+
+    terms = [t for t in _question_terms(question) if not any(_term_matches(t, w) for w in words)]
+    required = min(SPECIFIC_MIN_TERMS if specific else SHORT_MIN_TERMS, len(terms))
+    positions = {t: _term_positions(corpus, t) for t in terms} if terms else {}
+    supporters = [
+        m.match
+        for m in memory
+        if m.match.score >= MEMORY_SUPPORT_MIN_SCORE and f" {phrase} " in f" {m.phrase} "
+    ]
+
+    def judge(match: _Match) -> _Candidate:
+        _, lo, hi = corpus.locate(match.start)
+        window_start, window_end = (
+            max(lo, match.start - CONTEXT_CHARS),
+            min(hi, match.end + CONTEXT_CHARS),
+        )
+        near = tuple(
+            t
+            for t in terms
+            if _any_in(positions[t], window_start, match.start)
+            or _any_in(positions[t], match.end, window_end)
+        )
+        supported = any(
+            lo <= s.start < hi and s.start < window_end and s.end > window_start for s in supporters
+        )
+        return _Candidate(match, near, supported)
+
+    def accepted(candidate: _Candidate) -> bool:
+        if required:
+            return len(candidate.terms) >= required or candidate.memory_support
+        return specific or candidate.memory_support
+
+    exact = _phrase_pattern(words)
+    candidates = [judge(_Match(m.start(), m.end(), 100.0)) for m in corpus.occurrences(exact)]
+    found = len(candidates)
+    good = [c for c in candidates if accepted(c)]
+    if not good and not short:
+        fuzzy = [
+            judge(m)
+            for m in corpus.align(answer or "", ANSWER_FUZZY_MIN_SCORE)
+            if _numbers_in(words, corpus.text[m.start : m.end])
+        ]
+        found = max(found, len(fuzzy))
+        good = [c for c in fuzzy if accepted(c)]
+    if not good:
+        if found:
+            return (
+                [],
+                False,
+                (
+                    f"The answer appears {found} time(s) in the text but never near the question's "
+                    "terms or a passage the memory recorded, so it may be a coincidence."
+                ),
+            )
+        return [], False, "The answer does not appear in the document."
+    good.sort(key=lambda c: (-(len(c.terms) + c.memory_support), -c.match.score, c.match.start))
+    best = good[0]
+    i, _, _ = corpus.locate(best.match.start)
+    where = f"segment {corpus.segments[i].index}"
+    evidence = corpus.evidence(best.match, "answer", page_starts)
+    if evidence.page is not None:
+        where += f", page {evidence.page}"
+    how = (
+        "exactly" if best.match.score == 100.0 else f"approximately (score {best.match.score:.0f})"
+    )
+    if best.terms:
+        why = "next to the question's terms " + ", ".join(repr(t) for t in best.terms)
+    elif best.memory_support:
+        why = "inside a passage the memory recorded"
+    else:
+        why = "and itself covers the question's terms"
+    return [c.match for c in good], True, f"The answer appears {how} in {where} {why}."
+
+
+def _memory_matches(final_memory: str, corpus: _Corpus, min_score: float) -> list[_MemoryMatch]:
+    """The best source match of each memory sentence, best first, one per span."""
+    found: list[_MemoryMatch] = []
+    for sentence in _memory_sentences(final_memory):
+        words = _words(sentence)
+        matches = corpus.align(sentence, min_score)
+        if matches:
+            found.append(_MemoryMatch(" ".join(words), matches[0]))
+    found.sort(key=lambda m: (-m.match.score, m.match.start))
+    seen: set[tuple[int, int]] = set()
+    unique = []
+    for m in found:
+        if (m.match.start, m.match.end) not in seen:
+            seen.add((m.match.start, m.match.end))
+            unique.append(m)
+    return unique
+
+
+def _memory_sentences(memory: str) -> list[str]:
+    sentences = []
+    for line in memory.splitlines():
+        line = _BULLET.sub("", line).strip()
+        if not line or _DROPPED_MARKER.fullmatch(line):
+            continue
+        for sentence in _SENTENCE_BREAK.split(line):
+            sentence = sentence.strip()
+            if sentence.rstrip(".").lower() == INITIAL_MEMORY.lower():
+                continue
+            if sum(ch.isalnum() for ch in sentence) >= MEMORY_MIN_CHARS:
+                sentences.append(sentence)
+    return sentences[:MAX_MEMORY_SENTENCES]
+
+
+def _lower(text: str) -> str:
+    """Lower case with the length kept, so offsets into the result are offsets into `text`."""
+    lowered = text.lower()
+    if len(lowered) == len(text):
+        return lowered
+    return "".join(low if len(low := ch.lower()) == 1 else ch for ch in text)
+
+
+def _fold(text: str) -> str:
+    """Lower case, punctuation turned into spaces: what fuzzy matching compares."""
+    return _lower(text).translate(_FOLD).strip()
+
+
+def _words(text: str) -> list[str]:
+    """Lower-cased alphanumeric runs without articles (all of them if nothing else is left)."""
+    tokens = _TOKEN.findall(_lower(text))
+    return [t for t in tokens if t not in _ARTICLES] or tokens
+
+
+def _content_words(text: str) -> list[str]:
+    """Whitespace-separated words holding a letter or digit, stop words left out."""
+    words = (" ".join(_TOKEN.findall(_lower(w))) for w in text.split())
+    return [w for w in words if w and w not in STOP_WORDS]
+
+
+def _question_terms(question: str) -> list[str]:
+    terms: list[str] = []
+    for token in _TOKEN.findall(_lower(question)):
+        keep = len(token) >= 3 or any(c.isdigit() for c in token)
+        if keep and token not in STOP_WORDS and token not in terms:
+            terms.append(token)
+    return terms[:MAX_QUESTION_TERMS]
+
+
+def _term_matches(term: str, word: str) -> bool:
+    if any(c.isdigit() for c in term):
+        return word == term
+    return word.startswith(term[:STEM_CHARS])
+
+
+def _term_positions(corpus: _Corpus, term: str) -> list[int]:
+    if any(c.isdigit() for c in term):
+        pattern = re.compile(re.escape(term) + _NUMBER_GOES_ON)
+    else:
+        pattern = re.compile(re.escape(term[:STEM_CHARS]))
+    return [m.start() for m in corpus.occurrences(pattern)]
+
+
+def _any_in(positions: list[int], start: int, end: int) -> bool:
+    i = bisect.bisect_left(positions, start)
+    return i < len(positions) and positions[i] < end
+
+
+def _phrase_pattern(words: list[str]) -> re.Pattern[str]:
+    return re.compile(_SEP.join(map(re.escape, words)) + _NUMBER_GOES_ON)
+
+
+def _starts_word(text: str, position: int) -> bool:
+    """Whether a word (or a whole number, not the tail of "1,025") starts at `position`."""
+    if position == 0:
+        return True
+    before = text[position - 1]
+    if before.isalnum():
+        return False
+    return not (
+        before in ".,"
+        and position >= 2
+        and text[position - 2].isdigit()
+        and text[position].isdigit()
+    )
+
+
+def _anchors(needle: str) -> list[tuple[str, int]]:
+    """The needle's longest distinct content words of four characters or more, each with the
+    offset of its first occurrence as a word."""
+    offsets: dict[str, int] = {}
+    for m in _TOKEN.finditer(needle):
+        word = m.group()
+        if len(word) >= 4 and word not in STOP_WORDS:
+            offsets.setdefault(word, m.start())
+    longest = sorted(offsets, key=len, reverse=True)[:ANCHORS_PER_NEEDLE]
+    return [(word, offsets[word]) for word in longest]
+
+
+def _numbers_in(words: list[str], quote: str) -> bool:
+    quoted = set(_TOKEN.findall(quote))
+    return all(w in quoted for w in words if any(c.isdigit() for c in w))
+
+
+def _best_disjoint(matches: list[_Match]) -> list[_Match]:
+    """The best-scoring matches that do not overlap a better one, best first."""
+    kept: list[_Match] = []
+    for match in sorted(matches, key=lambda m: (-m.score, m.start)):
+        if all(match.end <= k.start or match.start >= k.end for k in kept):
+            kept.append(match)
+    return kept

@@ -1,0 +1,394 @@
+"""Evidence and grounding of answers against the source segments: pure, no engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.core.evidence import (
+    CONTEXT_CHARS,
+    Evidence,
+    Grounding,
+    find_evidence,
+    page_of,
+)
+from pipeline.core.segmentation import Segment
+
+CONTRACT_PAGES = [
+    "MASTER SERVICES AGREEMENT\n\n"
+    'This Master Services Agreement (the "Agreement") is entered into as of March 4, 2021, by '
+    'and between Greenfield Analytics, Inc., a Delaware corporation (the "Provider"), and '
+    'Maple Ridge Software LLC, a Vermont limited liability company (the "Client").\n\n'
+    "1. Services. The Provider shall deliver the data processing services described in each "
+    "statement of work signed by both parties. Each statement of work forms part of this "
+    "Agreement once signed.\n\n"
+    "2. Fees and Payment. The Client shall pay each undisputed invoice within 30 days of "
+    "receipt. Late amounts bear interest at one percent per month until paid in full.\n\n",
+    "3. Term. This Agreement begins on the Effective Date and continues for an initial term of "
+    "three years, after which it renews automatically for successive one-year periods.\n\n"
+    "4. Termination. Either party may end this Agreement for convenience by giving the other "
+    "party sixty (60) days' prior written notice. Either party may end it at once if the other "
+    "party materially breaches it and fails to cure the breach within fifteen days.\n\n"
+    "5. Confidentiality. Each party shall keep the other party's confidential information "
+    "secret and use it only to perform its obligations, for five years after disclosure.\n\n",
+    "6. Limitation of Liability. Neither party is liable for indirect or consequential damages. "
+    "Each party's total liability is capped at the fees paid in the twelve months before the "
+    "claim.\n\n"
+    "7. Governing Law. This Agreement shall be governed by and construed in accordance with the "
+    "laws of the State of Vermont, without regard to its conflict of laws principles.\n\n"
+    "8. Notices. Notices must be in writing and sent by courier to the addresses below.\n"
+    "Greenfield Analytics, Inc., 200 Harbor Street, Boston, Massachusetts 02110.\n"
+    "Maple Ridge Software LLC, 41 Pine Hill Road, Burlington, Vermont 05401.\n\n"
+    "Signed for the Provider by Eleanor Whitfield, Chief Executive Officer.\n",
+]
+CONTRACT = "".join(CONTRACT_PAGES)
+CONTRACT_PAGE_STARTS = [0, len(CONTRACT_PAGES[0]), len(CONTRACT_PAGES[0]) + len(CONTRACT_PAGES[1])]
+
+FILLER = (
+    "Management reviews the accounting estimates every period. Estimates involve judgement "
+    "about future events, and actual results could differ from them. The critical estimates "
+    "are described in the notes to the financial statements in the annual filing. "
+)
+
+REPORT = (FILLER * 3 + "\n\n").join(
+    [
+        "QUARTERLY REPORT FOR THE THIRD QUARTER OF FISCAL 2023\n\n"
+        "Results of Operations. Total revenue was $48.2 million for the third quarter, up 9% from "
+        "the prior year. Europe accounted for 25% of total revenue in the quarter, and North "
+        "America for most of the rest. Gross margin improved to 41% on lower freight costs.\n\n",
+        "Liquidity. Our revolving credit facility matures in 12 months. We expect to renew it on "
+        "similar terms before maturity and have drawn nothing on it to date.\n\n",
+        "Bookings. Scandinavia accounted for 18% of bookings, helped by two large public "
+        "tenders. Bookings elsewhere were flat.\n\n",
+        "Headcount. The company had 1,250 employees at the end of the quarter, including 125 "
+        "contractors converted to permanent roles, and 25.5 percent of staff work remotely.\n",
+    ]
+)
+
+
+def make_segments(text: str, size: int, doc_id: str = "doc") -> list[Segment]:
+    """Cuts `text` at spaces into segments of at most `size` characters, offsets exact."""
+    segments: list[Segment] = []
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + size)
+        if end < len(text):
+            space = text.rfind(" ", start + 1, end)
+            end = space if space > start else end
+        index = len(segments)
+        segments.append(Segment(doc_id, index, start, end, start, end, text[start:end]))
+        start = end
+    return segments
+
+
+def assert_exact(grounding: Grounding, text: str, page_starts: list[int] | None = None) -> None:
+    for item in grounding.evidence:
+        assert item.quote == text[item.char_start : item.char_end]
+        assert item.quote.strip() == item.quote and item.quote
+        assert item.page == page_of(item.char_start, page_starts)
+        assert 0 <= item.score <= 100
+
+
+def answer_items(grounding: Grounding) -> list[Evidence]:
+    return [item for item in grounding.evidence if item.matches == "answer"]
+
+
+CONTRACT_SEGMENTS = make_segments(CONTRACT, 400)
+REPORT_SEGMENTS = make_segments(REPORT, 700)
+GOVERNING_LAW = CONTRACT.index("7. Governing Law.")
+
+
+def test_verbatim_answer_next_to_question_terms_is_grounded_with_exact_offsets_and_page():
+    grounding = find_evidence(
+        "Which state's law governs the Agreement?",
+        "the State of Vermont",
+        "No previous memory",
+        CONTRACT_SEGMENTS,
+        CONTRACT_PAGE_STARTS,
+    )
+    assert grounding.grounded, grounding.reason
+    best = grounding.evidence[0]
+    start = CONTRACT.index("State of Vermont")
+    assert (best.matches, best.char_start, best.char_end) == ("answer", start, start + 16)
+    assert best.quote == "State of Vermont"
+    assert best.page == 3
+    assert best.score == 100.0
+    segment = CONTRACT_SEGMENTS[best.segment_index]
+    assert segment.char_start <= best.char_start < best.char_end <= segment.char_end
+    assert "segment" in grounding.reason and "page 3" in grounding.reason
+    assert_exact(grounding, CONTRACT, CONTRACT_PAGE_STARTS)
+
+
+def test_case_different_part_of_the_phrase_is_grounded_at_the_clause_not_the_address():
+    grounding = find_evidence(
+        "Which state's law governs the Agreement?",
+        "vermont",
+        "",
+        CONTRACT_SEGMENTS,
+        CONTRACT_PAGE_STARTS,
+    )
+    assert grounding.grounded, grounding.reason
+    best = grounding.evidence[0]
+    assert best.quote == "Vermont"
+    assert GOVERNING_LAW < best.char_start < CONTRACT.index("8. Notices.")
+    assert_exact(grounding, CONTRACT, CONTRACT_PAGE_STARTS)
+
+
+def test_short_number_far_from_every_question_term_is_not_grounded():
+    question = "How many new distribution centers did the company open in Asia?"
+    position = REPORT.index("12 months")
+    window = REPORT[position - CONTEXT_CHARS : position + CONTEXT_CHARS].lower()
+    assert not any(term in window for term in ("distribution", "center", "company", "asia", "open"))
+    grounding = find_evidence(question, "12", "", REPORT_SEGMENTS)
+    assert not grounding.grounded
+    assert "appears 1 time" in grounding.reason
+    assert answer_items(grounding) == []
+
+
+def test_short_number_next_to_question_terms_is_grounded():
+    grounding = find_evidence(
+        "What percentage of total revenue came from Europe?", "25%", "", REPORT_SEGMENTS
+    )
+    assert grounding.grounded, grounding.reason
+    assert grounding.evidence[0].quote == "25"
+    assert grounding.evidence[0].char_start == REPORT.index("25% of total revenue")
+    assert grounding.evidence[0].page is None
+    assert_exact(grounding, REPORT)
+
+
+def test_numbers_match_whole_numbers_only():
+    # "25" stands alone once, in "25%" far from these terms; "125" and "25.5" do not count.
+    grounding = find_evidence("What percentage of staff work remotely?", "25", "", REPORT_SEGMENTS)
+    assert not grounding.grounded
+    assert "appears 1 time(s)" in grounding.reason
+    assert find_evidence("How many employees?", "1250", "", REPORT_SEGMENTS).grounded is False
+    headcount = find_evidence(
+        "How many employees did the company have at the end of the quarter?",
+        "1,250",
+        "",
+        REPORT_SEGMENTS,
+    )
+    assert headcount.grounded, headcount.reason
+    assert headcount.evidence[0].quote == "1,250"
+
+
+def test_invented_name_is_not_grounded():
+    grounding = find_evidence(
+        "Who signed the Agreement for the Provider?",
+        "John Doe",
+        "The Agreement was signed for the Provider by Eleanor Whitfield.",
+        CONTRACT_SEGMENTS,
+    )
+    assert not grounding.grounded
+    assert grounding.reason == "The answer does not appear in the document."
+    assert answer_items(grounding) == []
+    real = find_evidence(
+        "Who signed the Agreement for the Provider?", "Eleanor Whitfield", "", CONTRACT_SEGMENTS
+    )
+    assert real.grounded, real.reason
+
+
+def test_lightly_misspelt_long_answer_is_grounded_by_a_strong_fuzzy_match():
+    grounding = find_evidence(
+        "Which company is the Provider under the Agreement?",
+        "Greenfield Analytic Inc",
+        "",
+        CONTRACT_SEGMENTS,
+    )
+    assert grounding.grounded, grounding.reason
+    best = grounding.evidence[0]
+    assert best.quote == "Greenfield Analytics, Inc"
+    assert 90 <= best.score < 100
+    assert "approximately" in grounding.reason
+    assert_exact(grounding, CONTRACT)
+
+
+def test_long_answer_with_a_different_number_is_not_grounded():
+    grounding = find_evidence(
+        "What was total revenue for the third quarter?",
+        "Total revenue was $48.9 million",
+        "",
+        REPORT_SEGMENTS,
+    )
+    assert not grounding.grounded
+    right = find_evidence(
+        "What was total revenue for the third quarter?",
+        "Total revenue was $48.2 million",
+        "",
+        REPORT_SEGMENTS,
+    )
+    assert right.grounded, right.reason
+    assert right.evidence[0].quote == "Total revenue was $48.2 million"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [None, "", "  ", "The document does not mention the governing law.", "Not specified"],
+)
+def test_no_answer_is_not_grounded_but_memory_evidence_is_kept(answer: str | None):
+    memory = "The Agreement is governed by the laws of the State of Vermont."
+    grounding = find_evidence(
+        "Which state's law governs the Agreement?", answer, memory, CONTRACT_SEGMENTS
+    )
+    assert not grounding.grounded
+    assert grounding.reason.startswith("No answer")
+    assert [item.matches for item in grounding.evidence] == ["memory"]
+    assert GOVERNING_LAW < grounding.evidence[0].char_start < CONTRACT.index("8. Notices.")
+    assert_exact(grounding, CONTRACT)
+
+
+def test_yes_no_answer_is_not_grounded():
+    grounding = find_evidence(
+        "Can either party terminate for convenience?", "Yes", "", CONTRACT_SEGMENTS
+    )
+    assert not grounding.grounded
+    assert "yes/no" in grounding.reason
+
+
+def test_memory_sentences_get_evidence():
+    memory = "\n".join(
+        [
+            "[dropped 2 older lines]",
+            "No previous memory",
+            "- Either party may end this Agreement for convenience by giving the other party "
+            "sixty (60) days' prior written notice.",
+            "The Client must pay undisputed invoices within 30 days of receipt. The CEO of the "
+            "Client is John Doe and he lives in Paris.",
+        ]
+    )
+    grounding = find_evidence(
+        "How much notice is needed to terminate for convenience?",
+        "sixty (60) days",
+        memory,
+        CONTRACT_SEGMENTS,
+        CONTRACT_PAGE_STARTS,
+        max_items=5,
+    )
+    assert grounding.grounded, grounding.reason
+    assert grounding.evidence[0].matches == "answer"
+    assert grounding.evidence[0].quote == "sixty (60) days"
+    memory_items = [item for item in grounding.evidence if item.matches == "memory"]
+    assert len(memory_items) == 2
+    verbatim, paraphrase = memory_items
+    assert verbatim.score == 100.0 and verbatim.page == 2
+    assert verbatim.quote.startswith("Either party may end this Agreement for convenience")
+    assert verbatim.quote.endswith("written notice")
+    assert paraphrase.quote.startswith("Client shall pay each undisputed invoice within 30 days")
+    assert paraphrase.page == 1 and paraphrase.score < 100
+    assert_exact(grounding, CONTRACT, CONTRACT_PAGE_STARTS)
+
+
+def test_initial_memory_alone_gives_no_evidence():
+    grounding = find_evidence("Who is the Client?", None, "No previous memory", CONTRACT_SEGMENTS)
+    assert grounding.evidence == ()
+
+
+def test_memory_sentence_vouches_for_a_short_answer_without_question_terms_nearby():
+    question = "What share of sales came from the Nordic region?"
+    alone = find_evidence(question, "18%", "", REPORT_SEGMENTS)
+    assert not alone.grounded
+    memory = "Scandinavia accounted for 18% of bookings, helped by two large public tenders."
+    backed = find_evidence(question, "18%", memory, REPORT_SEGMENTS)
+    assert backed.grounded, backed.reason
+    assert "memory" in backed.reason
+    assert [item.matches for item in backed.evidence] == ["answer", "memory"]
+    assert backed.evidence[0].char_start == REPORT.index("18% of bookings")
+    assert_exact(backed, REPORT)
+
+
+def test_offsets_stay_exact_when_lower_casing_changes_length():
+    parts = [
+        "İstanbul İzmir office. " * 20,
+        "İzmir. The governing law is the law of the State of Vermont.",
+    ]
+    text = "".join(parts)
+    segments = [
+        Segment("doc", 0, 0, 1, 0, len(parts[0]), parts[0]),
+        Segment("doc", 1, 1, 2, len(parts[0]), len(text), parts[1]),
+    ]
+    grounding = find_evidence("Which state's law governs?", "Vermont", "", segments)
+    assert grounding.grounded, grounding.reason
+    assert grounding.evidence[0].quote == "Vermont"
+    assert grounding.evidence[0].char_start == text.index("Vermont")
+
+
+def test_segments_whose_text_disagrees_with_their_offsets_are_skipped():
+    good = make_segments(CONTRACT, 400)
+    bad = [
+        Segment(
+            s.doc_id, s.index, s.token_start, s.token_end, s.char_start, s.char_end, s.text + " "
+        )
+        for s in good
+    ]
+    grounding = find_evidence("Which state's law governs the Agreement?", "Vermont", "", bad)
+    assert not grounding.grounded and grounding.evidence == ()
+
+
+def test_answer_in_one_of_many_long_segments():
+    pages = [FILLER * 25 for _ in range(200)]
+    pages[137] = (
+        FILLER * 10
+        + "The Board appointed Maria Gonzalez-Ortiz as Chief Financial Officer on 1 July. "
+        + FILLER * 10
+    )
+    text = "".join(pages)
+    segments = make_segments(text, len(pages[0]))
+    assert len(segments) > 150
+    grounding = find_evidence(
+        "Who was appointed Chief Financial Officer?",
+        "Maria Gonzalez-Ortiz",
+        "The Board appointed Maria Gonzalez-Ortiz as Chief Financial Officer on 1 July.",
+        segments,
+    )
+    assert grounding.grounded, grounding.reason
+    assert [item.matches for item in grounding.evidence] == ["answer", "memory"]
+    assert grounding.evidence[0].quote == "Maria Gonzalez-Ortiz"
+    assert_exact(grounding, text)
+
+
+def test_max_items_and_serialisation():
+    memory = (
+        "Either party may end this Agreement for convenience by giving sixty (60) days' notice.\n"
+        "The Agreement is governed by the laws of the State of Vermont."
+    )
+    question = "Which state's law governs the Agreement?"
+    grounding = find_evidence(question, "Vermont", memory, CONTRACT_SEGMENTS, max_items=1)
+    assert len(grounding.evidence) == 1 and grounding.evidence[0].matches == "answer"
+    assert find_evidence(question, "Vermont", memory, CONTRACT_SEGMENTS, max_items=0).evidence == ()
+    with pytest.raises(ValueError):
+        find_evidence(question, "Vermont", memory, CONTRACT_SEGMENTS, max_items=-1)
+    data = grounding.as_dict()
+    assert data["grounded"] is True and isinstance(data["reason"], str)
+    item = grounding.evidence[0]
+    assert data["evidence"] == [item.as_dict()]
+    assert set(item.as_dict()) == {
+        "segment_index",
+        "page",
+        "char_start",
+        "char_end",
+        "quote",
+        "score",
+        "matches",
+    }
+
+
+def test_empty_document():
+    grounding = find_evidence("Which state?", "Vermont", "Vermont law applies here.", [])
+    assert not grounding.grounded and grounding.evidence == ()
+
+
+def test_page_of_edges():
+    assert page_of(5, None) is None
+    assert page_of(5, []) is None
+    starts = [0, 100, 250]
+    assert [page_of(offset, starts) for offset in (0, 99, 100, 249, 250, 10_000)] == [
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+    ]
+    assert page_of(3, [10, 20]) == 1  # text before the first page start counts as page 1
+    assert page_of(50, [0, 50, 50, 80]) == 3  # page 2 is empty
+    with pytest.raises(ValueError):
+        page_of(-1, starts)
