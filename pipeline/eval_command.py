@@ -269,8 +269,10 @@ class SampleBuilders:
 def run_eval_command(args: argparse.Namespace) -> int:
     from .cli import engine_spec
 
-    spec = engine_spec(args).resolved()
+    spec = engine_spec(args)
     request = resolve_request(args, spec.resolved_max_model_len)
+    planned = sum(length.tokens for length in request.lengths) * request.samples
+    spec = spec.resolved(planned_tokens=planned * len(request.tasks) * len(request.methods))
     terminal.capture(request.output.resolve(), "eval", verbose=args.verbose)
     return run_eval(request, spec)
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
@@ -35,6 +35,7 @@ from connectors.base import coerce_questions
 from connectors.state_store import FAILED, StateStore, StateStoreError
 
 from .config import MethodConfig, with_default_template
+from .core.chain import CHARS_PER_TOKEN
 from .core.templates import get_template_set
 from .engines.base import EngineError
 from .engines.factory import EngineSpec, load_tokenizer, open_engine
@@ -81,11 +82,16 @@ class OutputSpec:
 class ConcurrencySpec:
     actors: int = 1  # memory-stage actors, each with its own engine
     max_active_chains: int = 64  # chains one actor runs at once
-    batches_in_flight: int = 8  # batches one actor holds at once (their chains run together)
+    # Batches one actor holds at once: their chains run together, and the window in which
+    # longest-first scheduling chooses.
+    batches_in_flight: int = 32
     batch_size: int = 1  # documents per memory-stage batch
     num_gpus: float = 0.0  # per actor
     num_cpus: float = 1.0  # per actor
     read_tasks: int = 2  # read/parse/segment tasks at once
+    # longest-first: the chains with most document tokens left get the engine and free slots
+    # first, so the longest document is not the tail of the run; source-order: as they come.
+    schedule: Literal["longest-first", "source-order"] = "longest-first"
 
     def __post_init__(self) -> None:
         for name in ("actors", "max_active_chains", "batches_in_flight", "batch_size"):
@@ -384,6 +390,13 @@ def list_items(sources: Sequence[Source]) -> list[dict[str, Any]]:
     return rows
 
 
+def estimated_tokens(plan: JobPlan, items: Sequence[Mapping[str, Any]]) -> int:
+    """The document tokens the job's chains will read, from the listed sizes (before anything
+    is read or parsed): enough to choose between eager and compiled engines."""
+    characters = sum(item["size"] or len(item["text"] or "") for item in items)
+    return characters // CHARS_PER_TOKEN * max(1, len(plan.questions))
+
+
 # --- running ------------------------------------------------------------------------------------
 
 
@@ -406,7 +419,7 @@ class RunSummary:
     busy_s: float  # from this attempt's first model call to its last
     outputs: dict[str, str]  # table name (and "manifest") -> URI
     state_store: str
-    engine: str = ""  # kind, model and dtype, e.g. "vllm qwen2.5-coder-0.5b-instruct float32"
+    engine: str = ""  # e.g. "vllm qwen2.5-coder-0.5b-instruct, float32, eager"
 
     @property
     def tokens(self) -> int:
@@ -467,6 +480,9 @@ def run_job(
     items = list_items(plan.sources)
     if not items:
         raise JobError("the sources list no document: check the paths, prefixes or queries")
+    plan.spec = replace(
+        plan.spec, engine=plan.spec.engine.resolved(planned_tokens=estimated_tokens(plan, items))
+    )
     attempt = plan.store.begin_run(plan.run_id, _run_description(plan))
     run = RunContext(
         run_id=plan.run_id,
@@ -523,7 +539,11 @@ def _build_dataset(plan: JobPlan, run: RunContext, items: list[dict[str, Any]]) 
     in_flight = concurrency.batches_in_flight
     return dataset.map_batches(
         MemoryStage,
-        fn_constructor_kwargs={"run": run, "max_active_chains": concurrency.max_active_chains},
+        fn_constructor_kwargs={
+            "run": run,
+            "max_active_chains": concurrency.max_active_chains,
+            "longest_first": concurrency.schedule == "longest-first",
+        },
         batch_format="pyarrow",
         batch_size=concurrency.batch_size,
         # Several calls run at once in each actor: an async __call__ shares the actor's event
@@ -588,7 +608,8 @@ def _finish(
         busy_s=plan.store.busy_window(plan.run_id, run.attempt, started_at),
         outputs={name: table.uri for name, table in tables.items()},
         state_store=plan.store.safe_url,
-        engine=f"{spec.engine.kind} {spec.engine.model} {spec.engine.dtype}",
+        engine=f"{spec.engine.kind} {spec.engine.model}, {spec.engine.dtype}, "
+        + ("eager" if spec.engine.enforce_eager else "compiled"),
     )
     manifest_uri = writer.write_manifest(_manifest(plan, summary, tables))
     summary = replace(summary, outputs={**summary.outputs, "manifest": manifest_uri})

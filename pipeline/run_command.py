@@ -47,6 +47,7 @@ FLAG_KEYS: dict[str, tuple[str | None, str]] = {
     "batches_in_flight": ("concurrency", "batches_in_flight"),
     "batch_size": ("concurrency", "batch_size"),
     "num_gpus": ("concurrency", "num_gpus"),
+    "schedule": ("concurrency", "schedule"),
 }
 
 
@@ -86,7 +87,9 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--tokenizer")
     engine.add_argument("--max-model-len", type=positive_int)
     engine.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
-    engine.add_argument("--enforce-eager", action="store_const", const=True)
+    modes = engine.add_mutually_exclusive_group()
+    modes.add_argument("--enforce-eager", action="store_const", const=True, help="skip compiling")
+    modes.add_argument("--compile", dest="enforce_eager", action="store_const", const=False)
     engine.add_argument("--kv-cache-gib", type=positive_int)
     method = run.add_argument_group("method")
     method.add_argument("--chunk-size", type=positive_int)
@@ -103,6 +106,11 @@ def register(subparsers: Any) -> None:
     concurrency.add_argument("--batches-in-flight", type=positive_int, help="per actor")
     concurrency.add_argument("--batch-size", type=positive_int, help="documents per batch")
     concurrency.add_argument("--num-gpus", type=float, help="per actor")
+    concurrency.add_argument(
+        "--schedule",
+        choices=["longest-first", "source-order"],
+        help="which chains the engine serves first (default longest-first: the shortest tail)",
+    )
     run.set_defaults(handler=run_command)
 
 

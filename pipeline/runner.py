@@ -1,14 +1,20 @@
 """Drives many memory chains at once against one engine.
 
 Each chain submits its next step as soon as its previous step returns, so the engine batches
-everyone's steps together and a long document never holds short ones back.
+everyone's steps together and a long document never holds short ones back. Longest first: a
+chain's requests carry its document tokens still to read as their priority, and waiting chains
+take free slots in the same order, so the chain on the critical path never queues behind short
+ones and the run's tail is short. `longest_first=False` keeps the order of arrival.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from .core.chain import MemoryChain, StepKind, StepRequest
@@ -78,10 +84,13 @@ class ChainRunner:
         engine: Engine,
         sampling: SamplingConfig = SamplingConfig(),
         max_active_chains: int = 256,
+        *,
+        longest_first: bool = True,
     ) -> None:
         self.engine = engine
         self.sampling = sampling
-        self._slots = asyncio.Semaphore(max_active_chains)
+        self.longest_first = longest_first
+        self._slots = PriorityGate(max_active_chains)
 
     async def run(
         self, chains: Iterable[MemoryChain], on_step: StepCallback | None = None
@@ -94,12 +103,16 @@ class ChainRunner:
         """Runs one chain to its answer. Failures become a result with status "error"."""
         result = ChainResult(chain.chain_id, chain.question, "ok", n_segments=len(chain.segments))
         started = time.perf_counter()
-        async with self._slots:
+        async with self._slots.slot(-chain.tokens_left if self.longest_first else 0):
             try:
                 while (request := chain.next_request()) is not None:
                     completion = await self.engine.generate(
                         GenerationRequest(
-                            request.request_id, request.prompt, request.max_tokens, self.sampling
+                            request.request_id,
+                            request.prompt,
+                            request.max_tokens,
+                            self.sampling,
+                            priority=-chain.tokens_left if self.longest_first else 0,
                         )
                     )
                     chain.submit(completion.text)
@@ -118,3 +131,42 @@ class ChainRunner:
         result.answer = chain.answer
         result.elapsed_s = time.perf_counter() - started
         return result
+
+
+class PriorityGate:
+    """At most `slots` holders at once; waiters get a freed slot lowest priority value first,
+    ties in order of arrival."""
+
+    def __init__(self, slots: int) -> None:
+        self._free = slots
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, priority: int) -> AsyncIterator[None]:
+        if self._free > 0 and not self._waiting:
+            self._free -= 1
+        else:
+            granted = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (priority, next(self._arrivals), granted))
+            try:
+                await granted
+            except asyncio.CancelledError:
+                if granted.done() and not granted.cancelled():
+                    self._release()  # granted just as it was cancelled: pass the slot on
+                else:
+                    self._waiting = [w for w in self._waiting if w[2] is not granted]
+                    heapq.heapify(self._waiting)
+                raise
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._waiting:
+            _, _, waiter = heapq.heappop(self._waiting)
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes straight to the waiter
+                return
+        self._free += 1

@@ -397,11 +397,12 @@ class MemoryStage:
     is built when the first chain needs it, so a rerun whose chains are all answered costs no
     engine start-up."""
 
-    def __init__(self, run: RunContext, max_active_chains: int) -> None:
+    def __init__(self, run: RunContext, max_active_chains: int, longest_first: bool = True) -> None:
         self.run = run
         self.store = StateStore(run.store_url)
         self.chain_config = run.method.chain()
         self.max_active_chains = max_active_chains
+        self.longest_first = longest_first
         self.engine: Any = None
         self._runner: ChainRunner | None = None
         self._runner_lock = asyncio.Lock()
@@ -493,7 +494,10 @@ class MemoryStage:
                 # here, after the engine imported multiprocessing, this one runs before it.
                 atexit.register(self.close)
                 self._runner = ChainRunner(
-                    self.engine, self.run.method.sampling(), self.max_active_chains
+                    self.engine,
+                    self.run.method.sampling(),
+                    self.max_active_chains,
+                    longest_first=self.longest_first,
                 )
             return self._runner
 

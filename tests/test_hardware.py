@@ -103,3 +103,14 @@ def test_a_job_with_gpu_actors_assumes_a_modern_gpu_where_its_driver_has_none() 
     assert resolve_dtype("auto", hardware.with_gpu_workers(driver), environ={}) == "bfloat16"
     old_gpu = Hardware("host", 8, AVX2_ONLY, (Gpu("T4", (7, 5)),))
     assert hardware.with_gpu_workers(old_gpu) == old_gpu
+
+
+def test_eager_or_compiled_follows_the_work_planned_unless_named() -> None:
+    from pipeline.engines.factory import COMPILE_PAYS_OFF_TOKENS
+
+    small, large = COMPILE_PAYS_OFF_TOKENS - 1, COMPILE_PAYS_OFF_TOKENS
+    assert EngineSpec().resolved(planned_tokens=small).enforce_eager is True
+    assert EngineSpec().resolved(planned_tokens=large).enforce_eager is False
+    assert EngineSpec().resolved().enforce_eager is False  # unknown work: a long-lived server
+    assert EngineSpec(enforce_eager=False).resolved(planned_tokens=10).enforce_eager is False
+    assert EngineSpec(enforce_eager=True).resolved(planned_tokens=large).enforce_eager is True

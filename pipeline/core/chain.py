@@ -90,6 +90,11 @@ class MemoryChain:
         return self.raw_response is not None
 
     @property
+    def tokens_left(self) -> int:
+        """Document tokens this chain has still to read: its remaining critical path."""
+        return sum(segment.n_tokens for segment in self.segments[self.step :])
+
+    @property
     def answer(self) -> str | None:
         return None if self.raw_response is None else extract_answer(self.raw_response)
 

@@ -32,11 +32,11 @@ name; segments whose text length disagrees with their offsets are skipped.
 from __future__ import annotations
 
 import bisect
+import heapq
 import re
 import string
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from itertools import islice
 
 from rapidfuzz import fuzz
 
@@ -63,13 +63,19 @@ MIN_SCORE = 70.0
 MEMORY_SUPPORT_MIN_SCORE = 85.0
 # Question terms match words that start with their first STEM_CHARS characters.
 STEM_CHARS = 5
-# Fuzzy alignment runs only around hits of a needle's longest words, cut to ANCHOR_CHARS.
+# Fuzzy alignment runs only around hits of a needle's longest words (ANCHORS_PER_NEEDLE of them,
+# cut to ANCHOR_CHARS): the first ANCHOR_TRIES are tried in turn, and a window must also hold
+# ANCHORS_NEEDED of the others (or all, if fewer), which a paraphrase keeps and chance rarely does.
 ANCHOR_CHARS = 6
-ANCHORS_PER_NEEDLE = 2
-MAX_ANCHOR_HITS = 500
-MAX_MEMORY_SENTENCES = 40
+ANCHORS_PER_NEEDLE = 5
+ANCHORS_NEEDED = 2
+ANCHOR_TRIES = 2
+# Caps that bound the fuzzy work on repetitive text: windows aligned per anchor (the most
+# promising ones), and memory sentences located (the most relevant ones).
+MAX_ALIGNMENTS = 100
+MAX_MEMORY_SENTENCES = 8
 MEMORY_MIN_CHARS = 12
-MAX_QUESTION_TERMS = 12
+MAX_QUESTION_TERMS = 8
 
 _STOP_WORDS_TEXT = """
     a about above after again all also am an and any are as at based be been before being below
@@ -159,15 +165,20 @@ def find_evidence(
     max_items: int = 3,
     min_score: float = MIN_SCORE,
 ) -> Grounding:
-    """Locates `answer` and the memory's sentences in `segments` and applies the grounding rule."""
+    """Locates `answer` and the memory's sentences in `segments` and applies the grounding rule.
+    Evidence lists the answer's supporting matches first, then the memory's, best first."""
     if max_items < 0:
         raise ValueError(f"max_items must not be negative, got {max_items}")
     corpus = _Corpus(segments)
-    memory = _memory_matches(final_memory, corpus, min_score)
-    memory_evidence = [corpus.evidence(m.match, "memory", page_starts) for m in memory]
-    answer_matches, grounded, reason = _ground(question, answer, corpus, memory, page_starts)
-    answer_evidence = [corpus.evidence(match, "answer", page_starts) for match in answer_matches]
-    return Grounding(tuple((answer_evidence + memory_evidence)[:max_items]), grounded, reason)
+    words = _words(answer or "")
+    terms = _question_terms(question)
+    memory = _memory_matches(final_memory, corpus, min_score, words, terms)
+    matches, grounded, reason = _ground(answer, words, terms, corpus, memory, max_items)
+    evidence = [corpus.evidence(m, "answer", page_starts) for m in matches]
+    evidence += [corpus.evidence(m.match, "memory", page_starts) for m in memory]
+    if grounded:
+        reason = reason.format(page=_page_note(evidence[0].page) if evidence else "")
+    return Grounding(tuple(evidence[:max_items]), grounded, reason)
 
 
 @dataclass(frozen=True)
@@ -189,6 +200,10 @@ class _Candidate:
     terms: tuple[str, ...]  # context terms found near the match
     memory_support: bool
 
+    @property
+    def strength(self) -> int:
+        return len(self.terms) + self.memory_support
+
 
 class _Corpus:
     """The segments' lower-cased texts joined by NUL, with each segment's start in the join."""
@@ -207,7 +222,7 @@ class _Corpus:
         i = bisect.bisect_right(self.starts, position) - 1
         return i, self.starts[i], self.starts[i] + len(self.segments[i].text)
 
-    def occurrences(self, pattern: re.Pattern[str]) -> Iterable[re.Match[str]]:
+    def occurrences(self, pattern: re.Pattern[str]) -> Iterator[re.Match[str]]:
         return (m for m in pattern.finditer(self.text) if _starts_word(self.text, m.start()))
 
     def evidence(self, match: _Match, matches: str, page_starts: Sequence[int] | None) -> Evidence:
@@ -220,29 +235,37 @@ class _Corpus:
         )
 
     def align(self, text: str, cutoff: float) -> list[_Match]:
-        """Fuzzy matches of `text` scoring at least `cutoff`, searched only in windows around the
-        hits of its longest words; a window spans the needle's length on either side."""
+        """Fuzzy matches of `text` scoring at least `cutoff`, best first, without overlaps.
+
+        Only windows around a hit of one of the needle's longest words are aligned, those that
+        hold most of its other long words first; a window reaches half the needle's length
+        beyond it on either side.
+        """
         needle = _fold(text)
-        matches: list[_Match] = []
-        pad = len(needle)
-        for word, offset in _anchors(needle):
-            pattern = re.compile(re.escape(word[:ANCHOR_CHARS]))
-            for hit in islice(self.occurrences(pattern), MAX_ANCHOR_HITS):
+        anchors = _anchors(needle)
+        pad = len(needle) // 2 + 8
+        for word, offset in anchors[:ANCHOR_TRIES]:
+            others = [w[:ANCHOR_CHARS] for w, _ in anchors if w != word]
+            needed = min(ANCHORS_NEEDED, len(others))
+            windows: list[tuple[int, int, int]] = []
+            for hit in self.occurrences(re.compile(re.escape(word[:ANCHOR_CHARS]))):
                 _, lo, hi = self.locate(hit.start())
-                window_start = max(lo, hit.start() - offset - pad)
-                window_end = min(hi, hit.start() - offset + len(needle) + pad)
-                window = self.text[window_start:window_end].translate(_FOLD)
+                start = max(lo, hit.start() - offset - pad)
+                end = min(hi, hit.start() - offset + len(needle) + pad)
+                held = sum(other in self.text[start:end] for other in others)
+                if held >= needed:
+                    windows.append((-held, start, end))
+            matches: list[_Match] = []
+            for _, start, end in heapq.nsmallest(MAX_ALIGNMENTS, windows):
+                window = self.text[start:end].translate(_FOLD)
                 found = fuzz.partial_ratio_alignment(needle, window, score_cutoff=cutoff)
-                if found is None:
-                    continue
-                start, end = self._snap(
-                    window_start + found.dest_start, window_start + found.dest_end
-                )
-                if start < end:
-                    matches.append(_Match(start, end, found.score))
+                if found is not None:
+                    span = self._snap(start + found.dest_start, start + found.dest_end)
+                    if span[0] < span[1]:
+                        matches.append(_Match(*span, found.score))
             if matches:
-                break
-        return _best_disjoint(matches)
+                return _best_disjoint(matches)
+        return []
 
     def _snap(self, start: int, end: int) -> tuple[int, int]:
         """Trims a span to alphanumerics at both ends, then widens it to whole words."""
@@ -261,12 +284,15 @@ class _Corpus:
 
 
 def _ground(
-    question: str,
     answer: str | None,
+    words: list[str],
+    question_terms: list[str],
     corpus: _Corpus,
     memory: list[_MemoryMatch],
-    page_starts: Sequence[int] | None,
+    max_items: int,
 ) -> tuple[list[_Match], bool, str]:
+    """The answer's supporting matches (at most `max_items`, best first), whether it is grounded,
+    and why; a grounded reason holds a `{page}` field."""
     normalized = normalize_answer(answer or "")
     if not normalized:
         return [], False, "No answer was given."
@@ -274,37 +300,33 @@ def _ground(
         return [], False, "No answer: the model said the document does not give one."
     if normalized in _YES_NO:
         return [], False, "A yes/no answer cannot be traced to a passage; see the memory evidence."
-    words = _words(answer or "")
     if not words:
         return [], False, "The answer has no words or numbers to look up."
     short = sum(map(len, words)) < SHORT_ANSWER_MIN_CHARS or all(w.isdigit() for w in words)
     specific = not short and len(_content_words(answer or "")) >= SPECIFIC_ANSWER_MIN_WORDS
     phrase = " ".join(words)
 
-    terms = [t for t in _question_terms(question) if not any(_term_matches(t, w) for w in words)]
+    terms = [t for t in question_terms if not any(_term_matches(t, w) for w in words)]
     required = min(SPECIFIC_MIN_TERMS if specific else SHORT_MIN_TERMS, len(terms))
-    positions = {t: _term_positions(corpus, t) for t in terms} if terms else {}
+    positions = {t: _term_positions(corpus, t) for t in terms}
     supporters = [
         m.match
         for m in memory
         if m.match.score >= MEMORY_SUPPORT_MIN_SCORE and f" {phrase} " in f" {m.phrase} "
     ]
+    strongest = len(terms) + bool(supporters)
 
     def judge(match: _Match) -> _Candidate:
         _, lo, hi = corpus.locate(match.start)
-        window_start, window_end = (
-            max(lo, match.start - CONTEXT_CHARS),
-            min(hi, match.end + CONTEXT_CHARS),
-        )
+        window_start = max(lo, match.start - CONTEXT_CHARS)
+        window_end = min(hi, match.end + CONTEXT_CHARS)
         near = tuple(
             t
             for t in terms
             if _any_in(positions[t], window_start, match.start)
             or _any_in(positions[t], match.end, window_end)
         )
-        supported = any(
-            lo <= s.start < hi and s.start < window_end and s.end > window_start for s in supporters
-        )
+        supported = any(s.start <= match.start and match.end <= s.end for s in supporters)
         return _Candidate(match, near, supported)
 
     def accepted(candidate: _Candidate) -> bool:
@@ -312,10 +334,16 @@ def _ground(
             return len(candidate.terms) >= required or candidate.memory_support
         return specific or candidate.memory_support
 
-    exact = _phrase_pattern(words)
-    candidates = [judge(_Match(m.start(), m.end(), 100.0)) for m in corpus.occurrences(exact)]
-    found = len(candidates)
-    good = [c for c in candidates if accepted(c)]
+    good: list[_Candidate] = []
+    found = unbeatable = 0
+    for hit in corpus.occurrences(_phrase_pattern(words)):
+        found += 1
+        candidate = judge(_Match(hit.start(), hit.end(), 100.0))
+        if accepted(candidate):
+            good.append(candidate)
+            unbeatable += candidate.strength == strongest
+            if unbeatable >= max(max_items, 1):
+                break  # later matches can only tie, and ties go to the earliest
     if not good and not short:
         fuzzy = [
             judge(m)
@@ -335,44 +363,60 @@ def _ground(
                 ),
             )
         return [], False, "The answer does not appear in the document."
-    good.sort(key=lambda c: (-(len(c.terms) + c.memory_support), -c.match.score, c.match.start))
+    good.sort(key=lambda c: (-c.strength, -c.match.score, c.match.start))
     best = good[0]
-    i, _, _ = corpus.locate(best.match.start)
-    where = f"segment {corpus.segments[i].index}"
-    evidence = corpus.evidence(best.match, "answer", page_starts)
-    if evidence.page is not None:
-        where += f", page {evidence.page}"
-    how = (
-        "exactly" if best.match.score == 100.0 else f"approximately (score {best.match.score:.0f})"
-    )
+    where = f"segment {corpus.segments[corpus.locate(best.match.start)[0]].index}{{page}}"
+    score = best.match.score
+    how = "exactly" if score == 100.0 else f"approximately (score {score:.0f})"
     if best.terms:
         why = "next to the question's terms " + ", ".join(repr(t) for t in best.terms)
     elif best.memory_support:
         why = "inside a passage the memory recorded"
     else:
         why = "and itself covers the question's terms"
-    return [c.match for c in good], True, f"The answer appears {how} in {where} {why}."
+    return [c.match for c in good[:max_items]], True, f"The answer appears {how} in {where} {why}."
 
 
-def _memory_matches(final_memory: str, corpus: _Corpus, min_score: float) -> list[_MemoryMatch]:
-    """The best source match of each memory sentence, best first, one per span."""
+def _page_note(page: int | None) -> str:
+    return "" if page is None else f", page {page}"
+
+
+def _memory_matches(
+    final_memory: str,
+    corpus: _Corpus,
+    min_score: float,
+    answer_words: list[str],
+    question_terms: list[str],
+) -> list[_MemoryMatch]:
+    """The best source match of the memory's most relevant sentences (those holding the answer,
+    then those sharing most question terms), best first, one per span."""
+    phrase = f" {' '.join(answer_words)} "
+
+    def relevance(item: tuple[int, list[str]]) -> tuple[int, int, int]:
+        index, words = item
+        has_answer = bool(answer_words) and phrase in f" {' '.join(words)} "
+        shared = sum(any(_term_matches(t, w) for w in words) for t in question_terms)
+        return -has_answer, -shared, index
+
+    sentences = _memory_sentences(final_memory)
+    ranked = sorted(enumerate(_words(s) for s in sentences), key=relevance)
     found: list[_MemoryMatch] = []
-    for sentence in _memory_sentences(final_memory):
-        words = _words(sentence)
-        matches = corpus.align(sentence, min_score)
+    for index, words in ranked[:MAX_MEMORY_SENTENCES]:
+        matches = corpus.align(sentences[index], min_score)
         if matches:
             found.append(_MemoryMatch(" ".join(words), matches[0]))
     found.sort(key=lambda m: (-m.match.score, m.match.start))
-    seen: set[tuple[int, int]] = set()
+    spans: set[tuple[int, int]] = set()
     unique = []
     for m in found:
-        if (m.match.start, m.match.end) not in seen:
-            seen.add((m.match.start, m.match.end))
+        if (m.match.start, m.match.end) not in spans:
+            spans.add((m.match.start, m.match.end))
             unique.append(m)
     return unique
 
 
 def _memory_sentences(memory: str) -> list[str]:
+    """The memory's sentences, without bullets, the initial memory and dropped-lines markers."""
     sentences = []
     for line in memory.splitlines():
         line = _BULLET.sub("", line).strip()
@@ -384,7 +428,7 @@ def _memory_sentences(memory: str) -> list[str]:
                 continue
             if sum(ch.isalnum() for ch in sentence) >= MEMORY_MIN_CHARS:
                 sentences.append(sentence)
-    return sentences[:MAX_MEMORY_SENTENCES]
+    return sentences
 
 
 def _lower(text: str) -> str:

@@ -33,6 +33,9 @@ class GenerationRequest:
     prompt: str  # the content of one user message; the engine applies the chat template
     max_tokens: int
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # Lower runs first where the engine has a queue (vLLM's priority scheduling); ties in order
+    # of arrival. Engines without priorities ignore it.
+    priority: int = 0
 
 
 @dataclass(frozen=True)

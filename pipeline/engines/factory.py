@@ -11,6 +11,9 @@ from .base import Engine
 from .hardware import DTYPES, Hardware, resolve_dtype
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+# Below this many document tokens to read, an engine starts in eager mode: torch.compile's
+# longer start-up would not be repaid by its faster steps (bench/prefill_decode.py --compile).
+COMPILE_PAYS_OFF_TOKENS = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,7 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_space_gib: int | None = 4
-    enforce_eager: bool = False
+    enforce_eager: bool | None = None  # None: eager unless the work planned repays a compile
     # OpenAI-compatible server
     base_url: str | None = None
     served_model: str | None = None  # the server's name for the model; default: `model`
@@ -48,12 +51,19 @@ class EngineSpec:
         packaged = models.PACKAGED_MODELS.get(self.model)
         return min(packaged.max_model_len, 16384) if packaged else 8192
 
-    def resolved(self, hardware: Hardware | None = None) -> EngineSpec:
-        """This spec with `auto` settings made concrete for `hardware` (default: this machine),
-        as recorded in a run's tables and chain keys. An HTTP engine's dtype is the server's."""
+    def resolved(
+        self, hardware: Hardware | None = None, planned_tokens: int | None = None
+    ) -> EngineSpec:
+        """This spec with its `auto` settings made concrete: the dtype for `hardware` (default:
+        this machine), as recorded in a run's tables and chain keys; eager or compiled mode for
+        the document tokens planned (unknown: compiled, as for a long-running server). An
+        HTTP engine's settings are the server's."""
         if self.kind != "vllm":
             return self
-        return replace(self, dtype=resolve_dtype(self.dtype, hardware))
+        eager = self.enforce_eager
+        if eager is None:
+            eager = planned_tokens is not None and planned_tokens < COMPILE_PAYS_OFF_TOKENS
+        return replace(self, dtype=resolve_dtype(self.dtype, hardware), enforce_eager=eager)
 
 
 def load_tokenizer(spec: EngineSpec) -> Any:
@@ -89,6 +99,6 @@ def open_engine(spec: EngineSpec) -> Engine:
             tensor_parallel_size=spec.tensor_parallel_size,
             gpu_memory_utilization=spec.gpu_memory_utilization,
             cpu_kvcache_space_gib=spec.cpu_kvcache_space_gib,
-            enforce_eager=spec.enforce_eager,
+            enforce_eager=bool(spec.enforce_eager),
         )
     )

@@ -31,6 +31,8 @@ class VLLMEngineConfig:
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    # "priority" lets the runner send the longest chains' steps first (GenerationRequest.priority).
+    scheduling_policy: str = "priority"
 
     def engine_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {
@@ -42,6 +44,7 @@ class VLLMEngineConfig:
             "enforce_eager": self.enforce_eager,
             "enable_prefix_caching": self.enable_prefix_caching,
             "seed": self.seed,
+            "scheduling_policy": self.scheduling_policy,
             "disable_log_stats": True,
         }
         if self.max_num_seqs is not None:
@@ -94,8 +97,9 @@ class VLLMEngine:
         started = time.perf_counter()
         final = None
         request_id = f"{request.request_id}#{next(self._ids)}"
+        priority = request.priority if self.config.scheduling_policy == "priority" else 0
         async for output in self._llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids), params, request_id
+            TokensPrompt(prompt_token_ids=prompt_ids), params, request_id, priority=priority
         ):
             final = output
         if final is None or not final.outputs:

@@ -1,0 +1,118 @@
+"""Longest-first scheduling in the runner: the chain with most document tokens left is served
+first by the engine and takes a freed slot first (pure logic, a recording fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pipeline.core.chain import ChainConfig, MemoryChain
+from pipeline.core.segmentation import Segment
+from pipeline.engines.base import Completion, GenerationRequest
+from pipeline.runner import ChainRunner, PriorityGate
+
+
+def segments(doc_id: str, sizes: list[int]) -> list[Segment]:
+    pieces, start = [], 0
+    for index, size in enumerate(sizes):
+        pieces.append(Segment(doc_id, index, start, start + size, start, start + size, "text"))
+        start += size
+    return pieces
+
+
+class RecordingEngine:
+    """Answers at once and records each request's chain and priority, in the order served."""
+
+    model = "fake"
+
+    def __init__(self) -> None:
+        self.served: list[tuple[str, int]] = []
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        self.served.append((request.request_id.split(":")[0], request.priority))
+        await asyncio.sleep(0)
+        return Completion(request.request_id, "The answer is x.", 10, 3, "stop", 0.0)
+
+    async def shutdown(self) -> None:
+        return None
+
+
+def test_a_freed_slot_goes_to_the_lowest_priority_value_first_ties_in_arrival_order() -> None:
+    async def scenario() -> list[str]:
+        gate, admitted = PriorityGate(1), []
+        release = asyncio.Event()
+
+        async def hold(name: str, priority: int) -> None:
+            async with gate.slot(priority):
+                admitted.append(name)
+                if name == "first":
+                    await release.wait()
+
+        first = asyncio.create_task(hold("first", 0))
+        await asyncio.sleep(0)
+        waiters = [asyncio.create_task(hold(n, p)) for n, p in
+                   [("late", 5), ("urgent", -9), ("also-urgent", -9), ("middle", 1)]]  # fmt: skip
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(first, *waiters)
+        return admitted
+
+    assert asyncio.run(scenario()) == ["first", "urgent", "also-urgent", "middle", "late"]
+
+
+def test_a_cancelled_waiter_gives_up_its_place_and_the_slot_is_not_lost() -> None:
+    async def scenario() -> list[str]:
+        gate, admitted = PriorityGate(1), []
+        release = asyncio.Event()
+
+        async def hold(name: str, priority: int) -> None:
+            async with gate.slot(priority):
+                admitted.append(name)
+                if name == "first":
+                    await release.wait()
+
+        first = asyncio.create_task(hold("first", 0))
+        await asyncio.sleep(0)
+        cancelled = asyncio.create_task(hold("cancelled", -5))
+        kept = asyncio.create_task(hold("kept", 3))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        release.set()
+        await asyncio.gather(first, kept)
+        async with gate.slot(0):  # the slot came back after everyone left
+            admitted.append("after")
+        return admitted
+
+    assert asyncio.run(scenario()) == ["first", "kept", "after"]
+
+
+def test_requests_carry_the_document_tokens_left_so_the_long_chain_goes_first() -> None:
+    config = ChainConfig(max_memory_tokens=8, max_answer_tokens=8)
+    long = MemoryChain("long", "Q?", segments("a", [100, 100, 100]), config)
+    short = MemoryChain("short", "Q?", segments("b", [50]), config)
+    engine = RecordingEngine()
+    asyncio.run(ChainRunner(engine, max_active_chains=8).run([short, long]))
+    by_chain: dict[str, list[int]] = {}
+    for chain_id, priority in engine.served:
+        by_chain.setdefault(chain_id, []).append(priority)
+    assert by_chain["long"] == [-300, -200, -100, 0]  # tokens left to read, then the answer
+    assert by_chain["short"] == [-50, 0]
+
+
+def test_with_one_slot_the_longest_waiting_chain_starts_next_unless_source_order() -> None:
+    config = ChainConfig(max_memory_tokens=8, max_answer_tokens=8)
+
+    def chains() -> list[MemoryChain]:
+        return [
+            MemoryChain(name, "Q?", segments(name, sizes), config)
+            for name, sizes in [("first", [10]), ("small", [20]), ("big", [500, 500]),
+                                ("medium", [300])]
+        ]  # fmt: skip
+
+    def order(longest_first: bool) -> list[str]:
+        engine = RecordingEngine()
+        runner = ChainRunner(engine, max_active_chains=1, longest_first=longest_first)
+        asyncio.run(runner.run(chains()))
+        return list(dict.fromkeys(chain_id for chain_id, _ in engine.served))
+
+    assert order(longest_first=True) == ["first", "big", "medium", "small"]
+    assert order(longest_first=False) == ["first", "small", "big", "medium"]
