@@ -1,6 +1,8 @@
-"""Raw engine speed: prefill tokens/s at two prompt lengths and decode tokens/s for 8 sequences.
+"""Raw engine speed per dtype and mode: prefill tokens/s at two prompt lengths, decode tokens/s
+for 8 sequences, and start-up seconds, one engine at a time, on this machine's CPU.
 
-.venv/bin/python bench/prefill_decode.py [--model NAME] [--compile]
+    .venv/bin/python bench/prefill_decode.py [--model NAME] [--dtypes float32,bfloat16]
+        [--modes eager,compiled]
 """
 
 from __future__ import annotations
@@ -8,19 +10,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from typing import Any
 
-from common import real_text
+from common import real_text, table, write_results
 
 from pipeline.engines.base import GenerationRequest
 from pipeline.engines.factory import EngineSpec, open_engine
+from pipeline.env_command import collect
 
 
-async def measure(spec: EngineSpec) -> list[str]:
+async def measure(spec: EngineSpec) -> dict[str, Any]:
     started = time.perf_counter()
     engine = open_engine(spec)
-    lines = [
-        f"{spec.model}, eager={spec.enforce_eager}: start-up {time.perf_counter() - started:.0f} s"
-    ]
+    figures: dict[str, Any] = {"start-up s": round(time.perf_counter() - started)}
     text = real_text(200_000)
     try:
         for prompt_tokens in (1000, 5000):
@@ -33,29 +35,47 @@ async def measure(spec: EngineSpec) -> list[str]:
             done = await asyncio.gather(*(engine.generate(r) for r in requests))
             elapsed = time.perf_counter() - started
             total = sum(c.prompt_tokens for c in done)
-            lines.append(f"prefill, ~{prompt_tokens}-token prompts: {total / elapsed:.0f} tokens/s")
+            figures[f"prefill ~{prompt_tokens} tokens/s"] = round(total / elapsed)
         requests = [
             GenerationRequest(f"d{i}", f"Write a long story about cat {i}.", 128) for i in range(8)
         ]
         started = time.perf_counter()
         done = await asyncio.gather(*(engine.generate(r) for r in requests))
         elapsed = time.perf_counter() - started
-        lines.append(
-            f"decode, 8 sequences: {sum(c.completion_tokens for c in done) / elapsed:.0f} tokens/s"
-        )
+        figures["decode 8 seqs tokens/s"] = round(sum(c.completion_tokens for c in done) / elapsed)
     finally:
         await engine.shutdown()
-    return lines
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--compile", action="store_true", help="torch.compile instead of eager")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--modes", default="eager", help="eager, compiled or both")
+    parser.add_argument("--quick", action="store_true", help="accepted for bench/run.py")
     args = parser.parse_args()
-    spec = EngineSpec(model=args.model, enforce_eager=not args.compile, cpu_kvcache_space_gib=3,
-                      max_model_len=8192)  # fmt: skip
-    print("\n".join(asyncio.run(measure(spec))))
+    machine = collect()
+    rows = []
+    for dtype in args.dtypes.split(","):
+        for mode in args.modes.split(","):
+            spec = EngineSpec(model=args.model, dtype=dtype, enforce_eager=mode == "eager",
+                              cpu_kvcache_space_gib=3, max_model_len=8192)  # fmt: skip
+            figures = asyncio.run(measure(spec))
+            print(f"{dtype} {mode}: {figures}", flush=True)
+            rows.append({"dtype": dtype, "mode": mode, **figures})
+    native = "yes" if machine["cpu"]["native_bf16"] else "no"
+    cpu = f"{machine['cpu']['model']}, native bf16: {native}"
+    columns = list(rows[0])
+    markdown = "\n".join([
+        f"{args.model} on {cpu} ({machine['cpu']['cores']} cores); `auto` resolves to "
+        f"{machine['dtype']} here. Each row one engine, one after the other.",
+        "",
+        *table(columns, [[str(row[c]) for c in columns] for row in rows]),
+    ])  # fmt: skip
+    name = f"prefill_decode-{args.model}"
+    write_results(name, {"model": args.model, "cpu": machine["cpu"],
+                         "cpu_flags": machine["cpu_flags"], "rows": rows}, markdown)  # fmt: skip
 
 
 if __name__ == "__main__":

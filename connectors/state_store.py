@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
+    Boolean,
     Column,
     ColumnElement,
     Float,
@@ -139,6 +140,17 @@ run_chains = Table(
     Column("chain_key", String(64), nullable=False, index=True),
     Column("question", Text, nullable=False),
     Column("updated_at", Float, nullable=False),
+)
+
+# Where each answered chain's answer and memory are found in the source (pipeline.core.evidence).
+groundings = Table(
+    "groundings",
+    metadata,
+    Column("chain_key", String(64), primary_key=True),
+    Column("grounded", Boolean, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("evidence", Text, nullable=False),  # JSON list of evidence items
+    Column("created_at", Float, nullable=False),
 )
 
 errors = Table(
@@ -405,6 +417,20 @@ class StateStore:
         with self._transaction() as connection:
             write_failure(connection, chain_key, error)
 
+    def record_grounding(
+        self, chain_key: str, grounded: bool, reason: str, evidence: Sequence[Mapping[str, Any]]
+    ) -> None:
+        row = {
+            "chain_key": chain_key,
+            "grounded": grounded,
+            "reason": reason,
+            "evidence": json.dumps(list(evidence), ensure_ascii=False),
+            "created_at": time.time(),
+        }
+        with self._transaction() as connection:
+            _upsert(connection, groundings, row, keys=["chain_key"],
+                    update=["grounded", "reason", "evidence", "created_at"])  # fmt: skip
+
     # --- reading a run back (export) ------------------------------------------------------
 
     def answers(self, run_id: str, attempt: int) -> Iterator[dict[str, Any]]:
@@ -435,8 +461,15 @@ class StateStore:
                 chains.c.started_at,
                 chains.c.finished_at,
                 chains.c.error,
+                groundings.c.grounded,
+                groundings.c.reason.label("grounding_reason"),
+                groundings.c.evidence,
             )
-            .select_from(_with_documents(chains))
+            .select_from(
+                _with_documents(chains).outerjoin(
+                    groundings, groundings.c.chain_key == chains.c.chain_key
+                )
+            )
             .where(_of_attempt(run_id, attempt))
             .order_by(run_chains.c.source_uri, run_chains.c.question_id)
         )

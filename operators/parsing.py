@@ -55,6 +55,9 @@ class ParsedDocument:
     mime_type: str
     pages: int | None  # PDFs; DOCX when the authoring application recorded it; else None
     warnings: tuple[str, ...] = ()
+    # PDFs: the character offset in `text` where page i + 1 starts (a page without text holds
+    # only the blank line between its neighbours); empty for formats without pages.
+    page_starts: tuple[int, ...] = ()
 
 
 class ParseError(Exception):
@@ -580,9 +583,15 @@ def _parse_pdf(data: bytes) -> ParsedDocument:
         extraction = _extract_pdf_text_with_unstructured(data, page_count)
         if extraction is None or not any(extraction.page_texts.values()):
             extraction = _extract_pdf_text_with_pdfminer(data)
-    text = "\n\n".join(
-        page_text for _, page_text in sorted(extraction.page_texts.items()) if page_text
-    )
+    page_starts, offset, pieces = [], 0, []
+    for _, page_text in sorted(extraction.page_texts.items()):
+        if page_text and pieces:
+            offset += 2  # the "\n\n" between pages
+        page_starts.append(offset)
+        if page_text:
+            pieces.append(page_text)
+            offset += len(page_text)
+    text = "\n\n".join(pieces)
     if not text.strip():
         if extraction.failure is not None:
             raise ParseError(f"damaged PDF: {_describe(extraction.failure)}")
@@ -605,7 +614,9 @@ def _parse_pdf(data: bytes) -> ParsedDocument:
     unmapped_glyphs = text.count("(cid:")
     if unmapped_glyphs:
         warnings.append(f"{unmapped_glyphs} glyphs have no Unicode mapping and appear as (cid:N)")
-    return ParsedDocument(text, extraction.parser, PDF_MIME, page_count, tuple(warnings))
+    return ParsedDocument(
+        text, extraction.parser, PDF_MIME, page_count, tuple(warnings), tuple(page_starts)
+    )
 
 
 def _open_pdf(data: bytes) -> tuple[Any, int]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from .config import MethodConfig
 from .core.chain import MemoryChain
+from .core.evidence import Grounding, find_evidence
 from .core.segmentation import Segment, TokenizedDocument, segment, tokenize
 from .runner import ChainResult, ChainRunner, StepCallback
 
@@ -20,6 +21,7 @@ from .runner import ChainResult, ChainRunner, StepCallback
 class DocumentInput:
     doc_id: str
     text: str
+    page_starts: tuple[int, ...] = ()  # PDFs: where each page starts in `text`
 
 
 @dataclass
@@ -28,6 +30,17 @@ class PreparedDocument:
     n_tokens: int
     segments: list[Segment]
     chains: list[MemoryChain] = field(default_factory=list)
+    page_starts: tuple[int, ...] = ()
+
+    def grounding(self, result: ChainResult) -> Grounding:
+        """Where `result`'s answer and memory are found in this document."""
+        return find_evidence(
+            result.question,
+            result.answer,
+            result.final_memory,
+            self.segments,
+            self.page_starts or None,
+        )
 
 
 def prepare(
@@ -41,7 +54,9 @@ def prepare(
         MemoryChain(f"{document.doc_id}#q{index}", question, segments, chain_config)
         for index, question in enumerate(questions)
     ]
-    return PreparedDocument(document.doc_id, tokenized.n_tokens, segments, chains)
+    return PreparedDocument(
+        document.doc_id, tokenized.n_tokens, segments, chains, document.page_starts
+    )
 
 
 async def answer(

@@ -19,6 +19,7 @@ from . import terminal
 from .ask import DocumentInput, PreparedDocument, answer, prepare
 from .config import MethodConfig
 from .core.chain import MemoryChain
+from .core.evidence import Evidence
 from .engines.factory import EngineSpec, load_tokenizer, open_engine
 from .progress import progress_bar
 from .runner import ChainResult, ChainRunner, StepRecord
@@ -73,7 +74,7 @@ def read_documents(paths: Sequence[Path]) -> tuple[list[DocumentInput], dict[str
         except OSError as error:
             failures[str(path)] = error.strerror or str(error)
         else:
-            documents.append(DocumentInput(str(path), parsed.text))
+            documents.append(DocumentInput(str(path), parsed.text, parsed.page_starts))
     return documents, failures
 
 
@@ -128,7 +129,18 @@ def print_answers(
                 say("  A: (no answer: the model did not say 'the answer is')")
                 say(f"     raw: {one_line(result.raw_response or '')}")
             else:
-                say(f"  A: {result.answer}")
+                grounding = document.grounding(result)
+                mark = "grounded" if grounding.grounded else "NOT GROUNDED"
+                say(f"  A: {result.answer}  [{mark}: {grounding.reason}]")
+                for item in grounding.evidence:
+                    say(f"     {describe_evidence(item)}")
+
+
+def describe_evidence(item: Evidence) -> str:
+    """One line: what matched, where in the source, and the quote."""
+    where = f"page {item.page}, " if item.page else ""
+    span = f"segment {item.segment_index}, chars {item.char_start}-{item.char_end}"
+    return f"{item.matches} evidence ({where}{span}): {one_line(item.quote, 120)}"
 
 
 def one_line(text: str, limit: int = 200) -> str:
@@ -154,6 +166,7 @@ def as_records(
                     "error": result.error,
                     "raw_response": result.raw_response,
                     "final_memory": result.final_memory,
+                    **document.grounding(result).as_dict(),
                     "n_segments": len(document.segments),
                     "n_tokens": document.n_tokens,
                     "prompt_tokens": result.prompt_tokens,

@@ -13,7 +13,9 @@ import pyarrow.parquet as pq
 from rich.table import Table
 
 from . import democorpus, terminal
+from .ask_command import describe_evidence
 from .config import MethodConfig
+from .core.evidence import Evidence
 from .core.extraction import string_match_any
 from .engines.factory import EngineSpec
 from .job import JobSpec, OutputSpec
@@ -42,18 +44,24 @@ def run_demo(output: Path, spec: EngineSpec, method: MethodConfig, scale: float)
     }
     answers = pq.read_table(summary.outputs["answers"]).to_pylist()
     table = Table(title=f"Planted facts, {spec.model}")
-    for column in ("document", "tokens", "question", "expected", "answer", ""):
+    for column in ("document", "tokens", "question", "expected", "answer", "", "grounded"):
         table.add_column(column)
-    correct = 0
+    correct, evidence_lines = 0, []
     for row in sorted(answers, key=lambda r: (r["source_uri"], r["question_id"])):
         document = Path(row["source_uri"]).name
         gold = expected.get((document, row["question"]), "?")
         found = row["answer"] is not None and bool(string_match_any(row["answer"], [gold]))
         correct += found
         shown = row["answer"] if row["answer"] is not None else f"({row['status']}: no answer)"
+        grounded = {True: "yes", False: "NO", None: "?"}[row["grounded"]]
         table.add_row(document, f"{row['n_tokens']:,}", row["question"], gold, shown,
-                      "✓" if found else "✗")  # fmt: skip
+                      "✓" if found else "✗", grounded)  # fmt: skip
+        evidence_lines.append(f"{document}: {row['question']}")
+        evidence_lines.append(f"  {grounded}: {row['grounding_reason']}")
+        evidence_lines += [f"  {describe_evidence(Evidence(**e))}" for e in row["evidence"]]
     term.result_console().print(table)
+    print("Evidence of each answer (where the answer and the memory are found in the source):",
+          *evidence_lines, sep="\n", file=term.out)  # fmt: skip
     folder = Path(summary.outputs["answers"]).parent
     query = f"SELECT source_uri, question, answer FROM '{folder}/answers.parquet'"
     for line in (

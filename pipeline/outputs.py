@@ -26,6 +26,18 @@ from .config import MethodConfig
 ROWS_PER_BATCH = 1000
 TIMESTAMP = pa.timestamp("ms", tz="UTC")
 
+EVIDENCE_TYPE = pa.struct(
+    [
+        ("segment_index", pa.int32()),
+        ("page", pa.int32()),
+        ("char_start", pa.int64()),
+        ("char_end", pa.int64()),
+        ("quote", pa.string()),
+        ("score", pa.float64()),
+        ("matches", pa.string()),  # "answer" or "memory"
+    ]
+)
+
 ANSWERS_SCHEMA = pa.schema(
     [
         ("run_id", pa.string()),
@@ -37,6 +49,11 @@ ANSWERS_SCHEMA = pa.schema(
         ("answer", pa.string()),
         ("raw_response", pa.string()),
         ("final_memory", pa.string()),
+        # True when the answer is found in the source with the question's terms or the memory's
+        # supporting fact beside it (pipeline.core.evidence); NULL for a chain with no answer row
+        ("grounded", pa.bool_()),
+        ("grounding_reason", pa.string()),
+        ("evidence", pa.list_(EVIDENCE_TYPE)),
         ("status", pa.string()),
         ("error", pa.string()),
         ("n_segments", pa.int64()),
@@ -201,6 +218,9 @@ def answer_row(row: Mapping[str, Any], run: RunIdentity) -> dict[str, Any]:
         "answer": row["answer"],
         "raw_response": row["raw_response"],
         "final_memory": row["final_memory"],
+        "grounded": None if row["grounded"] is None else bool(row["grounded"]),
+        "grounding_reason": row["grounding_reason"],
+        "evidence": json.loads(row["evidence"] or "[]"),
         "status": row["status"],
         "error": row["error"],
         "n_segments": row["n_segments"],

@@ -36,9 +36,10 @@ from operators.parsing import ParseError, parse_document
 
 from .config import MethodConfig
 from .core.chain import MemoryChain
+from .core.evidence import find_evidence
 from .core.segmentation import Segment, segment, tokenize
 from .engines.factory import EngineSpec, load_tokenizer, open_engine
-from .runner import ChainRunner, StepRecord
+from .runner import ChainResult, ChainRunner, StepRecord
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +66,7 @@ DOCUMENT_SCHEMA = pa.schema(
         ("content_sha256", pa.string()),
         ("parser", pa.string()),
         ("pages", pa.int32()),
+        ("page_starts", pa.list_(pa.int64())),  # PDFs: where each page starts in `text`
         ("warnings", pa.list_(pa.string())),
         ("metadata", pa.string()),
         ("questions", pa.list_(pa.string())),
@@ -97,6 +99,7 @@ PLAN_SCHEMA = pa.schema(
         ("n_tokens", pa.int64()),
         # NULL when every chain of the document was already answered: nothing to read
         ("segments", pa.list_(SEGMENT_TYPE)),
+        ("page_starts", pa.list_(pa.int64())),
         ("chains", pa.list_(PLANNED_CHAIN_TYPE)),
     ]
 )
@@ -214,7 +217,7 @@ class ReadParseStage:
         try:
             if row["text"] is not None:
                 stage = "parse"
-                text, parser, pages, warnings = row["text"], "inline", None, ()
+                text, parser, pages, warnings, page_starts = row["text"], "inline", None, (), ()
                 if not text.strip():
                     raise ParseError("empty document")
             else:
@@ -224,11 +227,12 @@ class ReadParseStage:
                     data = source.read_bytes(_item_of(row))
                 stage = "parse"
                 parsed = parse_document(data, name)
-                text, parser, pages, warnings = (
+                text, parser, pages, warnings, page_starts = (
                     parsed.text,
                     parsed.parser,
                     parsed.pages,
                     parsed.warnings,
+                    parsed.page_starts,
                 )
         except ParseError as error:
             self._fail(row, stage, "ParseError", error.reason)
@@ -248,6 +252,7 @@ class ReadParseStage:
             "content_sha256": hashlib.sha256(text.encode()).hexdigest(),
             "parser": parser,
             "pages": pages,
+            "page_starts": list(page_starts),
             "warnings": list(warnings),
             "metadata": row["metadata"],
             "questions": row["questions"] or [],
@@ -334,6 +339,7 @@ class SegmentStage:
             "name": row["name"],
             "n_tokens": n_tokens,
             "segments": segments_out,
+            "page_starts": row["page_starts"] or [],
             "chains": [
                 {
                     "chain_key": chain.chain_key,
@@ -472,6 +478,8 @@ class MemoryStage:
             return row | {"error": message}
         if result.status != "ok":
             await self._mark_failed(key, result.error or "unknown error")
+        else:
+            await self._ground(key, planned["question"], result, segments, document["page_starts"])
         return row | {
             "status": "done" if result.status == "ok" else "failed",
             "start_step": start_step,
@@ -503,6 +511,31 @@ class MemoryStage:
 
     async def _checkpoint(self, chain: MemoryChain, record: StepRecord) -> None:
         await self._in_store(self.store.record_step, StepCheckpoint.after(chain, record))
+
+    async def _ground(
+        self,
+        key: str,
+        question: str,
+        result: ChainResult,
+        segments: Sequence[Segment],
+        page_starts: Sequence[int] | None,
+    ) -> None:
+        """Finds the answer's evidence in the source and records it; a failure here costs the
+        answer its evidence, never the answer."""
+        try:
+            grounding = await asyncio.get_running_loop().run_in_executor(
+                None,
+                functools.partial(
+                    find_evidence, question, result.answer, result.final_memory, segments,
+                    page_starts or None,
+                ),
+            )  # fmt: skip
+            evidence = [item.as_dict() for item in grounding.evidence]
+            await self._in_store(
+                self.store.record_grounding, key, grounding.grounded, grounding.reason, evidence
+            )
+        except Exception:
+            logger.exception("cannot find the evidence of chain %s", key)
 
     async def _mark_failed(self, key: str, message: str) -> None:
         try:

@@ -218,6 +218,12 @@ def test_long_answer_with_a_different_number_is_not_grounded():
     )
     assert right.grounded, right.reason
     assert right.evidence[0].quote == "Total revenue was $48.2 million"
+    # Every question term is in the answer itself: the specific match alone grounds it.
+    restated = find_evidence(
+        "What was total revenue?", "Total revenue was $48.2 million", "", REPORT_SEGMENTS
+    )
+    assert restated.grounded, restated.reason
+    assert "covers the question's terms" in restated.reason
 
 
 @pytest.mark.parametrize(
@@ -242,6 +248,13 @@ def test_yes_no_answer_is_not_grounded():
     )
     assert not grounding.grounded
     assert "yes/no" in grounding.reason
+
+
+@pytest.mark.parametrize("answer", ["A", "?", "the"])
+def test_answer_without_words_or_numbers_is_not_grounded(answer: str):
+    grounding = find_evidence("Which option is right?", answer, "", CONTRACT_SEGMENTS)
+    assert not grounding.grounded
+    assert grounding.reason == "The answer has no words or numbers to look up."
 
 
 def test_memory_sentences_get_evidence():

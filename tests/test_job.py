@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
 
 import duckdb
 import pandas as pd
@@ -38,6 +39,7 @@ from connectors.state_store import (
     StateStore,
     StepCheckpoint,
 )
+from operators.parsing import parse_document
 from pipeline.cli import build_parser, method_config
 from pipeline.config import default_template
 from pipeline.engines.factory import DEFAULT_MODEL
@@ -490,6 +492,7 @@ def test_local_job_answers_every_document_or_says_why(
     assert answers.timings.map(lambda t: t["compute_s"] > 0).all()
 
     assert_complete_trajectories(answers, trajectory)
+    assert_evidence_points_into_the_source(answers)
     assert summary.documents == 8 and summary.documents_answered == 4
     assert summary.documents_failed == 4 and summary.errors == 4
     assert summary.chains == summary.chains_done == 5 and summary.chains_failed == 0
@@ -504,6 +507,20 @@ def test_local_job_answers_every_document_or_says_why(
     assert again.sort_values(by_chain).raw_response.tolist() == (
         answers.sort_values(by_chain).raw_response.tolist()
     )
+
+
+def assert_evidence_points_into_the_source(answers: pd.DataFrame) -> None:
+    """Every answered chain says whether it is grounded and why; each evidence item quotes the
+    parsed source exactly at its offsets, with its page for PDFs."""
+    assert answers.grounded.notna().all() and answers.grounding_reason.str.len().min() > 0
+    for row in answers.itertuples():
+        parsed = parse_document(Path(unquote(urlparse(row.source_uri).path)).read_bytes(), row.name)
+        for item in row.evidence:
+            assert parsed.text[item["char_start"] : item["char_end"]] == item["quote"], row.name
+            if parsed.page_starts:
+                assert 1 <= item["page"] <= parsed.pages
+            else:
+                assert item["page"] is None
 
 
 def assert_complete_trajectories(answers: pd.DataFrame, trajectory: pd.DataFrame) -> None:

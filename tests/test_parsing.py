@@ -18,6 +18,7 @@ import pytest
 
 from operators import parsing
 from operators.parsing import ParsedDocument, ParseError, parse_document
+from pipeline.core.evidence import page_of
 
 CORPORA = Path(__file__).resolve().parents[1].parent / "shared" / "corpora"
 needs_corpora = pytest.mark.skipif(
@@ -53,6 +54,7 @@ def test_pdf_encrypted_with_empty_user_password_opens_silently() -> None:
     assert parsed.parser.startswith("pdf:")
     assert parsed.mime_type == "application/pdf"
     assert parsed.pages == 18
+    assert len(parsed.page_starts) == 18 and list(parsed.page_starts) == sorted(parsed.page_starts)
     assert parsed.warnings == ()
     assert "The Digital Millennium Copyright Act (DMCA) was signed into law" in flattened(
         parsed.text
@@ -212,6 +214,10 @@ def test_pdf_pages_without_text_layer_are_reported() -> None:
     assert parsed.text == "Chapter one\n\nChapter three"
     assert parsed.pages == 3
     assert parsed.warnings == ("1 of 3 pages have no text layer (need OCR): pages 2",)
+    # the page without text holds only the blank line between its neighbours
+    assert parsed.page_starts == (0, 11, 13)
+    assert page_of(parsed.text.index("three"), parsed.page_starts) == 3
+    assert page_of(parsed.text.index("one"), parsed.page_starts) == 1
 
 
 def test_pdf_with_blank_pages_only_is_empty() -> None:

@@ -4,29 +4,32 @@ The grounding rule. Finding the answer's string somewhere proves little: "25%", 
 "$1,000,000" occur in any filing. An answer is grounded only when both hold in one segment:
 
 1. Its content is found there: exactly after normalisation (case, punctuation and articles
-   ignored, word and number boundaries respected: "25" does not match "125" or "25.5"), or,
-   for answers that are not short, by `rapidfuzz.fuzz.partial_ratio_alignment` scoring at least
-   `ANSWER_FUZZY_MIN_SCORE`, with every number of the answer present in the matched text.
-2. Context confirms it, within `CONTEXT_CHARS` either side of the match (same segment). The
-   context terms are the question's content words (stop words removed) that the answer does
-   not itself contain, matched by their first `STEM_CHARS` characters ("governs" ~ "governed").
-   - Short answers (fewer than `SHORT_ANSWER_MIN_CHARS` letters and digits, or pure numbers) and
-     one- or two-word answers need `SHORT_MIN_TERMS` context terms outside the match, or a memory
-     sentence that contains the answer and matches the source there with a score of at least
-     `MEMORY_SUPPORT_MIN_SCORE`. Exact matches only for short answers.
-   - Specific answers (`SPECIFIC_ANSWER_MIN_WORDS` words or more) need `SPECIFIC_MIN_TERMS`
-     context term nearby; none when the answer already contains all of the question's terms.
+   ignored, whole words and whole numbers only: "25" matches "25%" but not "125" or "25.5"),
+   or, for answers that are not short, by `rapidfuzz.fuzz.partial_ratio_alignment` scoring at
+   least `ANSWER_FUZZY_MIN_SCORE`, with every number of the answer in the matched text.
+2. Context confirms it, within `CONTEXT_CHARS` either side of the match in that segment. The
+   context terms are the question's content words (stop words dropped) that the answer does not
+   itself contain, each matching any word that starts with its first `STEM_CHARS` characters
+   ("governs" ~ "governed", "percentage" ~ "percent").
+   - Short answers (fewer than `SHORT_ANSWER_MIN_CHARS` letters and digits, or only digits) and
+     answers of one or two content words need `SHORT_MIN_TERMS` context terms beside the match
+     (all there are, if fewer; with none, only the memory can vouch), or a memory sentence that
+     contains the answer and was found in the source, spanning this match, with a score of at
+     least `MEMORY_SUPPORT_MIN_SCORE`. Short answers are never matched fuzzily.
+   - Specific answers (`SPECIFIC_ANSWER_MIN_WORDS` content words or more) need
+     `SPECIFIC_MIN_TERMS` context term beside the match, or none when the answer itself holds
+     every content word of the question.
 
-No answer (None, empty, or the model saying the document does not tell) and yes/no answers are
-never grounded: there is nothing to locate. Evidence then still lists where the final memory's
-sentences were found (matches="memory", fuzzy score at least `min_score`), so a reviewer can see
-what the chain read.
+No answer (None, blank, or the model saying the document does not tell), a yes/no answer and an
+answer without words or numbers are never grounded: there is nothing to locate. In every case the
+evidence also shows where the final memory's most relevant sentences came from (matches="memory",
+fuzzy score at least `min_score`; the initial memory and dropped-lines markers are skipped).
 
-Searches run on each segment's lower-cased text joined into one string (length-preserving, so
-offsets stay exact): one C-level regex scan per answer, question term and memory-sentence anchor,
-and fuzzy alignment only in short windows around anchor hits, so the cost is linear in the text.
-Offsets are exact when each segment's text is the slice of the document text its char offsets
-name; segments whose text length disagrees with their offsets are skipped.
+Cost is linear in the text: the segments' lower-cased texts are joined once (lower-casing keeps
+lengths, so offsets stay exact); then there is one C-level regex scan per answer, question term
+and tried anchor word of a memory sentence, and fuzzy alignment only in short windows around
+anchor hits. Offsets are exact when each segment's text is the slice of the document text that
+its char offsets name; segments whose text length disagrees with their offsets are skipped.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import re
 import string
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from itertools import islice
 
 from rapidfuzz import fuzz
 
@@ -70,8 +74,10 @@ ANCHOR_CHARS = 6
 ANCHORS_PER_NEEDLE = 5
 ANCHORS_NEEDED = 2
 ANCHOR_TRIES = 2
-# Caps that bound the fuzzy work on repetitive text: windows aligned per anchor (the most
-# promising ones), and memory sentences located (the most relevant ones).
+# Caps that bound the fuzzy work on repetitive text: hits of an anchor looked at (the first ones),
+# windows aligned per anchor (the most promising ones), memory sentences located (the most
+# relevant ones). Real text rarely reaches them: a long word seldom occurs 5,000 times.
+MAX_ANCHOR_HITS = 5000
 MAX_ALIGNMENTS = 100
 MAX_MEMORY_SENTENCES = 8
 MEMORY_MIN_CHARS = 12
@@ -115,6 +121,7 @@ _NO_ANSWER = re.compile(
     r"|\bnot in (?:document|text|memory|section|article|passage|context|provided)\b"
 )
 _YES_NO = frozenset({"yes", "no", "true", "false"})
+_PAGE = "\x00page"
 
 
 @dataclass(frozen=True)
@@ -166,7 +173,10 @@ def find_evidence(
     min_score: float = MIN_SCORE,
 ) -> Grounding:
     """Locates `answer` and the memory's sentences in `segments` and applies the grounding rule.
-    Evidence lists the answer's supporting matches first, then the memory's, best first."""
+
+    Evidence holds the answer's supporting matches, then the memory sentences' matches (those
+    scoring at least `min_score`), each best first, `max_items` in all.
+    """
     if max_items < 0:
         raise ValueError(f"max_items must not be negative, got {max_items}")
     corpus = _Corpus(segments)
@@ -177,7 +187,8 @@ def find_evidence(
     evidence = [corpus.evidence(m, "answer", page_starts) for m in matches]
     evidence += [corpus.evidence(m.match, "memory", page_starts) for m in memory]
     if grounded:
-        reason = reason.format(page=_page_note(evidence[0].page) if evidence else "")
+        page = evidence[0].page
+        reason = reason.replace(_PAGE, "" if page is None else f", page {page}")
     return Grounding(tuple(evidence[:max_items]), grounded, reason)
 
 
@@ -245,10 +256,12 @@ class _Corpus:
         anchors = _anchors(needle)
         pad = len(needle) // 2 + 8
         for word, offset in anchors[:ANCHOR_TRIES]:
-            others = [w[:ANCHOR_CHARS] for w, _ in anchors if w != word]
+            prefix = word[:ANCHOR_CHARS]
+            others = {w[:ANCHOR_CHARS] for w, _ in anchors} - {prefix}
             needed = min(ANCHORS_NEEDED, len(others))
             windows: list[tuple[int, int, int]] = []
-            for hit in self.occurrences(re.compile(re.escape(word[:ANCHOR_CHARS]))):
+            hits = self.occurrences(re.compile(re.escape(prefix)))
+            for hit in islice(hits, MAX_ANCHOR_HITS):
                 _, lo, hi = self.locate(hit.start())
                 start = max(lo, hit.start() - offset - pad)
                 end = min(hi, hit.start() - offset + len(needle) + pad)
@@ -292,16 +305,16 @@ def _ground(
     max_items: int,
 ) -> tuple[list[_Match], bool, str]:
     """The answer's supporting matches (at most `max_items`, best first), whether it is grounded,
-    and why; a grounded reason holds a `{page}` field."""
-    normalized = normalize_answer(answer or "")
-    if not normalized:
+    and why; a grounded reason holds `_PAGE` where the best match's page goes."""
+    if not (answer or "").strip():
         return [], False, "No answer was given."
+    normalized = normalize_answer(answer or "")
+    if not normalized or not words:
+        return [], False, "The answer has no words or numbers to look up."
     if _NO_ANSWER.search(normalized):
         return [], False, "No answer: the model said the document does not give one."
     if normalized in _YES_NO:
         return [], False, "A yes/no answer cannot be traced to a passage; see the memory evidence."
-    if not words:
-        return [], False, "The answer has no words or numbers to look up."
     short = sum(map(len, words)) < SHORT_ANSWER_MIN_CHARS or all(w.isdigit() for w in words)
     specific = not short and len(_content_words(answer or "")) >= SPECIFIC_ANSWER_MIN_WORDS
     phrase = " ".join(words)
@@ -352,20 +365,17 @@ def _ground(
         ]
         found = max(found, len(fuzzy))
         good = [c for c in fuzzy if accepted(c)]
+    if not good and found:
+        reason = (
+            f"The answer appears {found} time(s) in the text but never near the question's terms "
+            "or a passage the memory recorded, so it may be a coincidence."
+        )
+        return [], False, reason
     if not good:
-        if found:
-            return (
-                [],
-                False,
-                (
-                    f"The answer appears {found} time(s) in the text but never near the question's "
-                    "terms or a passage the memory recorded, so it may be a coincidence."
-                ),
-            )
         return [], False, "The answer does not appear in the document."
     good.sort(key=lambda c: (-c.strength, -c.match.score, c.match.start))
     best = good[0]
-    where = f"segment {corpus.segments[corpus.locate(best.match.start)[0]].index}{{page}}"
+    where = f"segment {corpus.segments[corpus.locate(best.match.start)[0]].index}{_PAGE}"
     score = best.match.score
     how = "exactly" if score == 100.0 else f"approximately (score {score:.0f})"
     if best.terms:
@@ -375,10 +385,6 @@ def _ground(
     else:
         why = "and itself covers the question's terms"
     return [c.match for c in good[:max_items]], True, f"The answer appears {how} in {where} {why}."
-
-
-def _page_note(page: int | None) -> str:
-    return "" if page is None else f", page {page}"
 
 
 def _memory_matches(
