@@ -31,15 +31,27 @@ class DocumentPreparer:
         self._lock = threading.Lock()
 
     async def prepare(
-        self, doc_id: str, text: str, questions: Sequence[str], method: MethodConfig
+        self,
+        doc_id: str,
+        text: str,
+        questions: Sequence[str],
+        method: MethodConfig,
+        page_starts: tuple[int, ...] = (),
     ) -> PreparedDocument:
-        return await asyncio.to_thread(self._prepare, doc_id, text, questions, method)
+        return await asyncio.to_thread(self._prepare, doc_id, text, questions, method, page_starts)
 
     def _prepare(
-        self, doc_id: str, text: str, questions: Sequence[str], method: MethodConfig
+        self,
+        doc_id: str,
+        text: str,
+        questions: Sequence[str],
+        method: MethodConfig,
+        page_starts: tuple[int, ...],
     ) -> PreparedDocument:
         with self._lock:
-            return prepare(DocumentInput(doc_id, text), questions, self._tokenizer, method)
+            return prepare(
+                DocumentInput(doc_id, text, page_starts), questions, self._tokenizer, method
+            )
 
 
 def document_info(loaded: LoadedDocument, prepared: PreparedDocument) -> DocumentInfo:
@@ -89,13 +101,21 @@ class SyncAnswerer:
         started = time.perf_counter()
         # A fresh id per request keeps engine request ids unique across concurrent requests.
         prepared = await self.preparer.prepare(
-            f"sync-{uuid.uuid4().hex}", loaded.parsed.text, questions, self.method
+            f"sync-{uuid.uuid4().hex}",
+            loaded.parsed.text,
+            questions,
+            self.method,
+            loaded.parsed.page_starts,
         )
         prepared_at = time.perf_counter()
         runner = ChainRunner(self.engine, self.method.sampling())
         results = await runner.run(prepared.chains, on_step)
         finished_at = time.perf_counter()
-        answers = [answer_of(result) for result in results]
+        groundings = await asyncio.to_thread(lambda: [prepared.grounding(r) for r in results])
+        answers = [
+            answer_of(result) | grounding.as_dict()
+            for result, grounding in zip(results, groundings, strict=True)
+        ]
         return AnswerResponse(
             status="succeeded" if all(a["status"] == "ok" for a in answers) else "failed",
             model=self.model,

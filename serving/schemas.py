@@ -33,6 +33,16 @@ class DocumentInfo(BaseModel):
     n_segments: int
 
 
+class Evidence(BaseModel):
+    segment_index: int
+    page: int | None = None
+    char_start: int = Field(description="offset in the parsed document text")
+    char_end: int
+    quote: str = Field(description="the document text at [char_start, char_end)")
+    score: float = Field(description="0-100 match score")
+    matches: Literal["answer", "memory"]
+
+
 class Answer(BaseModel):
     question: str
     status: Literal["ok", "error", "pending"]
@@ -44,6 +54,15 @@ class Answer(BaseModel):
     completion_tokens: int
     compute_s: float = Field(description="sum of this chain's model call latencies")
     error: str | None = None
+    grounded: bool | None = Field(
+        None,
+        description="the answer is found in the document with the question's terms or the "
+        "memory's supporting fact beside it; None where not checked (jobs)",
+    )
+    grounding_reason: str | None = Field(None, description="why grounded or not, in a sentence")
+    evidence: list[Evidence] = Field(
+        default_factory=list, description="where the answer and the memory are found in the text"
+    )
 
 
 class Usage(BaseModel):

@@ -370,7 +370,7 @@ def test_max_items_and_serialisation():
     with pytest.raises(ValueError):
         find_evidence(question, "Vermont", memory, CONTRACT_SEGMENTS, max_items=-1)
     data = grounding.as_dict()
-    assert data["grounded"] is True and isinstance(data["reason"], str)
+    assert data["grounded"] is True and isinstance(data["grounding_reason"], str)
     item = grounding.evidence[0]
     assert data["evidence"] == [item.as_dict()]
     assert set(item.as_dict()) == {

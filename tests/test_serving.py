@@ -361,6 +361,9 @@ def test_sync_answer_from_json_text_and_from_an_upload(app: ServeApp) -> None:
         assert answer["status"] == "ok" and answer["final_memory"] and answer["raw_response"]
         assert answer["n_segments"] == body["document"]["n_segments"]
         assert answer["prompt_tokens"] > 0 and answer["completion_tokens"] > 0
+        assert isinstance(answer["grounded"], bool) and answer["grounding_reason"]
+        for item in answer["evidence"]:
+            assert document[item["char_start"] : item["char_end"]] == item["quote"]
     assert body["usage"]["prompt_tokens"] == sum(a["prompt_tokens"] for a in body["answers"])
     assert set(body["timings"]) == {"read_s", "prepare_s", "chains_s", "total_s"}
     assert uploaded.status_code == 200, uploaded.text

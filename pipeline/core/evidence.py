@@ -148,7 +148,7 @@ class Grounding:
         return {
             "evidence": [item.as_dict() for item in self.evidence],
             "grounded": self.grounded,
-            "reason": self.reason,
+            "grounding_reason": self.reason,  # the name it has in the answers table
         }
 
 
