@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -351,6 +352,19 @@ def test_markdown_has_an_accuracy_table_per_task_length_and_method() -> None:
     assert "| hotpotqa | 32k | 8,000 | 0.00 (1) | 1.00 (1) |" in text
     assert "| niah | 8k | 8,000 | 1.00 (1) | - |" in text
     assert "## NIAH by variant and depth" in text
+
+
+def test_grounding_table_compares_how_often_grounded_and_ungrounded_answers_are_right() -> None:
+    def graded(accuracy: float, grounded: float) -> Prediction:
+        row = prediction("direct", accuracy)
+        return replace(row, scores={**row.scores, "answered": 1.0, "grounded": grounded})
+
+    unanswered = replace(prediction("direct", 0.0), scores={})
+    rows = [graded(1.0, 1.0), graded(1.0, 1.0), graded(0.0, 1.0), graded(1.0, 0.0),
+            graded(0.0, 0.0), graded(0.0, 0.0), unanswered]  # fmt: skip
+    text = render_markdown({"model": "m"}, SuiteOutcome(predictions=rows))
+    # grounded: 2 of 3 right (wrong 1/3); ungrounded: 1 of 3 right (wrong 2/3): twice as often
+    assert "| hotpotqa | direct | 6 | 3 | 0.67 | 0.33 | 2.0 |" in text
 
 
 def test_outputs_are_written_with_a_real_png(tmp_path: Path) -> None:

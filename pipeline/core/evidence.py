@@ -152,6 +152,20 @@ class Grounding:
         }
 
 
+def text_segments(doc_id: str, text: str, size: int = 20_000) -> list[Segment]:
+    """`text` cut into exact character slices of about `size`, at a line break where one is
+    near: segments to look for evidence in where no token segmentation is at hand."""
+    pieces, start = [], 0
+    while start < len(text):
+        end = min(start + size, len(text))
+        if end < len(text):
+            newline = text.rfind("\n", start + size // 2, end)
+            end = newline + 1 if newline >= 0 else end
+        pieces.append(Segment(doc_id, len(pieces), start, end, start, end, text[start:end]))
+        start = end
+    return pieces
+
+
 def page_of(char_offset: int, page_starts: Sequence[int] | None) -> int | None:
     """The 1-based page holding `char_offset`, given each page's ascending start offset. Text
     before the first start counts as page 1; of pages starting at one offset, the last holds it."""

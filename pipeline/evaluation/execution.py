@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from ..ask import DocumentInput, prepare
 from ..config import MethodConfig
 from ..core.chain import REFERENCE_MAX_ANSWER_TOKENS, REFERENCE_MAX_MEMORY_TOKENS
+from ..core.evidence import find_evidence, text_segments
 from ..core.extraction import extract_answer, strip_thinking
 from ..core.segmentation import REFERENCE_CHUNK_SIZE
 from ..core.templates import get_template_set
@@ -234,6 +235,15 @@ def _prediction(
     error: str | None = None,
     details: dict[str, Any] | None = None,
 ) -> Prediction:
+    scores = score(sample.answers, sample.answer_mode, answer, raw_response)
+    if status == "ok":
+        grounding = find_evidence(
+            sample.question,
+            answer,
+            final_memory or "",
+            text_segments(sample.sample_id, sample.document),
+        )
+        scores["grounded"] = float(grounding.grounded)
     return Prediction(
         task=sample.task,
         length_label=sample.length_label,
@@ -249,7 +259,7 @@ def _prediction(
         prediction=answer,
         raw_response=raw_response,
         final_memory=final_memory,
-        scores=score(sample.answers, sample.answer_mode, answer, raw_response),
+        scores=scores,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         n_calls=n_calls,

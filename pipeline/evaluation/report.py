@@ -31,6 +31,7 @@ METRIC_COLUMNS = (
     ("token_recall", "token recall"),
     ("raw_match", "raw match"),
     ("answered", "answered"),
+    ("grounded", "grounded"),
 )
 
 
@@ -70,6 +71,8 @@ def render_markdown(metadata: dict[str, Any], outcome: SuiteOutcome) -> str:
     )
     lines += [f"Accuracy is {headline}. Cells: accuracy (samples).", ""]
     lines += _accuracy_table(predictions, methods)
+    lines += ["", "## Grounding", ""]
+    lines += _grounding_table(predictions)
     lines += ["", "## All metrics", ""]
     lines += _metrics_table(summarize(predictions))
     for task, title in (("niah", "NIAH by variant and depth"), ("cuad", "CUAD by category")):
@@ -99,6 +102,45 @@ def _accuracy_table(predictions: Sequence[Prediction], methods: Sequence[str]) -
         values = [_cell(cells.get((task, length, method))) for method in methods]
         lines.append(
             f"| {task} | {length} | {tokens[(task, length)]:,.0f} | {' | '.join(values)} |"
+        )
+    return lines
+
+
+def _grounding_table(predictions: Sequence[Prediction]) -> list[str]:
+    """Per task and method, over the answers given: how many are grounded, and how often a
+    grounded and an ungrounded answer is right. The flag is worth something when ungrounded
+    answers are wrong much more often than grounded ones."""
+    lines = [
+        "Over answered samples. wrong-rate ratio: how many times more often an ungrounded "
+        "answer is wrong than a grounded one.",
+        "",
+        "| task | method | answered | grounded | accuracy, grounded | accuracy, ungrounded "
+        "| wrong-rate ratio |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    groups: dict[tuple[str, str], list[Prediction]] = {}
+    for prediction in predictions:
+        if (
+            prediction.status == "ok"
+            and prediction.scores.get("answered")
+            and ("grounded" in prediction.scores)
+        ):
+            groups.setdefault((prediction.task, prediction.method), []).append(prediction)
+    for (task, method), members in groups.items():
+        grounded = [p for p in members if p.scores["grounded"]]
+        ungrounded = [p for p in members if not p.scores["grounded"]]
+        right = {
+            "grounded": _mean([p.scores["accuracy"] for p in grounded]) if grounded else None,
+            "ungrounded": _mean([p.scores["accuracy"] for p in ungrounded]) if ungrounded else None,
+        }
+        ratio = "n/a"
+        if right["grounded"] is not None and right["ungrounded"] is not None:
+            wrong_grounded, wrong_ungrounded = 1 - right["grounded"], 1 - right["ungrounded"]
+            ratio = f"{wrong_ungrounded / wrong_grounded:.1f}" if wrong_grounded else "inf"
+        cells = [f"{value:.2f}" if value is not None else "n/a" for value in right.values()]
+        lines.append(
+            f"| {task} | {method} | {len(members)} | {len(grounded)} | {' | '.join(cells)} "
+            f"| {ratio} |"
         )
     return lines
 

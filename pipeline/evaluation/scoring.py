@@ -31,6 +31,7 @@ METRICS = (
     "token_recall",
     "raw_match",
     "answered",
+    "grounded",  # set by the evaluation: the answer's evidence in the source (core.evidence)
 )
 
 
