@@ -15,7 +15,7 @@ from rich.console import Console
 from connectors.state_store import RunProgress
 from operators.parsing import ParseError, parse_document
 
-from . import terminal
+from . import models, terminal
 from .ask import DocumentInput, PreparedDocument, answer, prepare
 from .config import MethodConfig
 from .core.chain import MemoryChain
@@ -44,6 +44,7 @@ def ask_files(
     if not documents:
         console.print("memstream: error: no readable document; nothing to answer")
         return EXIT_NOTHING_READABLE
+    models.ensure_pulled(spec.model, console.print)
     tokenizer = load_tokenizer(spec)
     prepared = [prepare(document, questions, tokenizer, method) for document in documents]
     planned = sum(chain.tokens_left for document in prepared for chain in document.chains)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from rich.table import Table
 
-from . import democorpus, terminal
+from . import democorpus, models, terminal
 from .ask_command import describe_evidence
 from .config import MethodConfig
 from .core.evidence import Evidence
@@ -30,6 +30,7 @@ def run_demo(output: Path, spec: EngineSpec, method: MethodConfig, scale: float)
     documents = democorpus.generate(scale=scale)
     expected_file = democorpus.write(corpus, documents)
     console.print(f"demo corpus: {len(documents)} documents with planted facts in {corpus}")
+    models.ensure_pulled(spec.model, console.print)
     job = JobSpec(
         sources=(str(corpus),),
         output=OutputSpec(uri=str(output / "runs")),

