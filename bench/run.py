@@ -22,7 +22,13 @@ import time
 from common import RESULTS, table
 
 BENCH = RESULTS.parent
-BENCHMARKS = ("engine_efficiency", "scaling", "multi_question", "pipeline_overhead")
+BENCHMARKS = (
+    "engine_efficiency",
+    "scaling",
+    "multi_question",
+    "pipeline_overhead",
+    "corpus_efficiency",
+)
 SERVING = "bench_serving"
 RESULT_NAMES = {SERVING: "serving"}  # script -> the name of its results file, where they differ
 

@@ -133,7 +133,11 @@ def test_ask_answers_good_files_and_reports_the_bad_one(corpora: Path, tmp_path:
         assert record["raw_response"]
         assert record["prompt_tokens"] > record["n_tokens"]
         assert record["timings"]["engine_startup_s"] > 0
-        assert record["model"] == TEST_MODEL
+        assert record["model"] == TEST_MODEL and record["dtype"] in ("float32", "bfloat16")
+        assert isinstance(record["grounded"], bool) and record["grounding_reason"]
+        source = (notes if record["document"].endswith("notes.md") else excerpt).read_text()
+        for item in record["evidence"]:
+            assert source[item["char_start"] : item["char_end"]] == item["quote"]
 
 
 @pytest.mark.engine
