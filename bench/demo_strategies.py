@@ -40,6 +40,7 @@ async def main(model: str, scale: float, templates: list[str], chunk_size: int) 
     elapsed = time.perf_counter() - started
     found: dict[str, list[bool]] = {}
     formatted: dict[str, int] = {}
+    grounded: dict[str, list[tuple[bool, bool]]] = {}  # (grounded, correct) per answer given
     for ready, (template, document) in zip(prepared, origins, strict=True):
         for fact, result in zip(document.facts, results[ready.doc_id], strict=True):
             correct = result.answer is not None and bool(
@@ -47,11 +48,20 @@ async def main(model: str, scale: float, templates: list[str], chunk_size: int) 
             )
             found.setdefault(template, []).append(correct)
             formatted[template] = formatted.get(template, 0) + (result.answer is not None)
-            print(template, document.name, ready.n_tokens, fact.answer, "->", repr(result.answer))
+            grounding = ready.grounding(result)
+            if result.answer is not None:
+                grounded.setdefault(template, []).append((grounding.grounded, correct))
+            mark = "grounded" if grounding.grounded else "not grounded"
+            print(template, document.name, ready.n_tokens, fact.answer, "->",
+                  repr(result.answer), f"[{mark}]")  # fmt: skip
     steps = sum(len(ready.segments) + 1 for ready in prepared for _ in ready.chains)
     for template, hits in found.items():
+        marks = grounded.get(template, [])
+        n_grounded = sum(is_grounded for is_grounded, _ in marks)
+        right = sum(correct for is_grounded, correct in marks if is_grounded)
         print(f"{model} {template}: {sum(hits)}/{len(hits)} found, "
-              f"{formatted[template]}/{len(hits)} in the answer format")  # fmt: skip
+              f"{formatted[template]}/{len(hits)} in the answer format, "
+              f"{n_grounded} grounded ({right} of them right)")  # fmt: skip
     print(f"chunk size {chunk_size}")
     print(f"{steps} model calls in {elapsed:.0f} s ({elapsed / steps:.1f} s per call)")
 
