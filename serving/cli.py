@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pipeline import terminal
 from pipeline.engines.hardware import DTYPE_HELP, DTYPES
 
 from .config import ServingConfig, ServingConfigError, load_config
@@ -40,6 +41,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--port", type=int, help="listen port (default 8000)")
     parser.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP + " (overrides engine.dtype)")
     parser.add_argument(
+        "-v", "--verbose", action="store_true", help="show what Ray Serve and vLLM print"
+    )
+    parser.add_argument(
         "--print-config", action="store_true", help="print the effective settings and exit"
     )
     parser.set_defaults(handler=run_serve)
@@ -60,6 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 0
     keys = api_keys_of(config)
     check_port_free(config.server.host, config.server.port)
+    term = terminal.capture(None, "serve", verbose=args.verbose)
     try:
         JobStore(config.store.url).close()  # creates the tables, and fails here if it cannot
     except StoreError as error:
@@ -74,8 +79,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(
             f"memstream: serving {config.engine.model} ({config.engine.dtype}) on {scheme_host} "
             f"(OpenAPI at {scheme_host}/docs; {auth})",
+            file=term.out,
             flush=True,
         )
+        term.print_log_path()
         stop.wait()
     except ServeStartError as error:
         return fail(str(error), EXIT_START_FAILED)
@@ -121,7 +128,7 @@ def install_signal_handlers(stop: threading.Event, server: ServeServer) -> None:
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:
-    print(f"memstream: error: {message}", file=sys.stderr)
+    print(f"memstream: error: {message}", file=terminal.current().err, flush=True)
     return code
 
 
@@ -212,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ServingConfigError, ValueError, OSError, ModelError, EngineError) as error:
         return fail(str(error))
     except KeyboardInterrupt:
-        print("memstream: interrupted", file=sys.stderr)
+        print("memstream: interrupted", file=terminal.current().err, flush=True)
         return 130
 
 
