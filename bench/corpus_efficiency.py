@@ -1,0 +1,385 @@
+"""Corpus efficiency: how well a mixed-length corpus keeps one engine busy, driven four ways.
+
+A corpus of real text with log-normal document lengths (a few long documents, many short ones,
+as a real archive has), one to three questions per document, drawn with a pinned seed. The same
+corpus is answered, one run after the other in one process, never two engines at once:
+
+1. the ChainRunner in process, longest-first: every chain submitted at once in source order;
+   each request carries its chain's document tokens still to read as its vLLM priority;
+2. the same, in source order (`longest_first=False`);
+3. the ceiling: every request of run 1 replayed at once on the same engine, as if no step
+   waited for the one before (greedy decoding makes it the same work);
+4. the Ray Data job (`pipeline.job.run_job`) on a fresh local Ray session: one memory actor,
+   longest-first, every document in flight at once, checkpoints in SQLite, Parquet export.
+
+Runs 1-3 share one engine, started and warmed up before them (start-up excluded) and with its
+prefix cache reset before each run. The job's end-to-end figure includes Ray and engine
+start-up; its steady state counts from its first model call to its last (`RunSummary.busy_s`).
+
+    .venv/bin/python bench/corpus_efficiency.py            # full size: several hours on 2 cores
+    .venv/bin/python bench/corpus_efficiency.py --quick    # small documents: 12 minutes, 2 cores
+    .venv/bin/python bench/corpus_efficiency.py --documents 32 --max-tokens 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import common
+import pipeline_overhead  # sets RAY_worker_niceness=0 and marks this run's Ray processes
+from engine_efficiency import BusyMeter
+
+from pipeline.ask import prepare
+from pipeline.ask_command import read_documents
+from pipeline.config import MethodConfig
+from pipeline.core.chain import MemoryChain
+from pipeline.engines.base import GenerationRequest
+from pipeline.engines.hardware import resolve_dtype
+from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+from pipeline.env_command import collect
+from pipeline.job import JobSpec, RunSummary, run_job
+from pipeline.runner import ChainRunner
+
+SEED = 20240611  # the corpus: document lengths and questions
+TEMPLATE = "segment-first"
+MAX_ACTIVE_CHAINS = 256  # runner and job alike: more than the corpus has chains
+KV_CACHE_GIB = 4
+QUESTIONS = (
+    "What is this document about, in one sentence?",
+    "Which person, organization or system does this document mention most?",
+    "What is the main problem or conflict described in this document?",
+    "Which dates, numbers or quantities does this document give?",
+    "What happens at the end of this document?",
+)
+# The issue's targets: tokens/s of one path over another's.
+RUNNER_OF_CEILING_TARGET = 0.90
+JOB_STEADY_TARGET = 0.95
+JOB_END_TO_END_TARGET = 0.90
+
+
+@dataclass(frozen=True)
+class Sizes:
+    documents: int
+    min_tokens: int
+    max_tokens: int
+    chunk_size: int
+    max_memory_tokens: int
+
+
+FULL = Sizes(documents=24, min_tokens=2000, max_tokens=200_000, chunk_size=2000,
+             max_memory_tokens=128)  # fmt: skip
+QUICK = Sizes(documents=24, min_tokens=400, max_tokens=1600, chunk_size=400,
+              max_memory_tokens=64)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CorpusDocument:
+    path: Path
+    n_tokens: int
+    questions: tuple[str, ...]
+
+
+# --- the corpus -------------------------------------------------------------------------------
+
+
+def draw_corpus(sizes: Sizes) -> list[tuple[int, tuple[str, ...]]]:
+    """(token length, questions) per document. Lengths are log-normal with the range's
+    geometric mean as median and 95% of draws inside it, clipped to it."""
+    rng = random.Random(SEED)
+    low, high = math.log(sizes.min_tokens), math.log(sizes.max_tokens)
+    mu, sigma = (low + high) / 2, (high - low) / 4
+    drawn = []
+    for _ in range(sizes.documents):
+        length = round(rng.lognormvariate(mu, sigma))
+        length = min(max(length, sizes.min_tokens), sizes.max_tokens)
+        questions = tuple(rng.sample(QUESTIONS, rng.randint(1, 3)))
+        drawn.append((length, questions))
+    return drawn
+
+
+def write_corpus(folder: Path, sizes: Sizes, tokenizer: Any) -> list[CorpusDocument]:
+    """The drawn documents as .txt files of real text, each with its questions beside it
+    (`<name>.questions.txt`, which the job reads). Names keep the source order when sorted."""
+    folder.mkdir()
+    drawn = draw_corpus(sizes)
+    texts = common.documents_of_lengths(tokenizer, [length for length, _ in drawn])
+    corpus = []
+    for index, ((length, questions), (_, text)) in enumerate(zip(drawn, texts, strict=True)):
+        path = folder / f"doc{index:03d}-{length}.txt"
+        path.write_text(text, encoding="utf-8")
+        path.with_name(path.name + ".questions.txt").write_text("\n".join(questions) + "\n")
+        corpus.append(CorpusDocument(path, length, questions))
+    return corpus
+
+
+def build_chains(
+    corpus: Sequence[CorpusDocument], tokenizer: Any, method: MethodConfig
+) -> list[MemoryChain]:
+    """Fresh chains of every document, in source order, from the files the job reads too."""
+    readable, unreadable = read_documents([document.path for document in corpus])
+    if unreadable:
+        raise RuntimeError(f"cannot read the generated corpus: {unreadable}")
+    questions = {str(document.path): document.questions for document in corpus}
+    prepared = [prepare(d, questions[d.doc_id], tokenizer, method) for d in readable]
+    return [chain for document in prepared for chain in document.chains]
+
+
+# --- runs 1-3: one engine in this process -----------------------------------------------------
+
+
+def figures(seconds: float, tokens: int, meter: BusyMeter | None, failed: int) -> dict[str, Any]:
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "busy_fraction": meter.busy_s / seconds if meter else None,
+        "mean_requests_in_flight": meter.request_seconds / seconds if meter else None,
+        "failed_chains": failed,
+        "load_1min_after": os.getloadavg()[0],  # other work on the machine skews every run
+    }
+
+
+async def run_runner(
+    engine: VLLMEngine, chains: list[MemoryChain], method: MethodConfig, longest_first: bool
+) -> tuple[dict[str, Any], list[GenerationRequest]]:
+    """All chains at once, cold prefix cache; the figures and every request the run sent."""
+    await engine.reset_prefix_cache()
+    meter = BusyMeter(engine)
+    runner = ChainRunner(meter, method.sampling(), MAX_ACTIVE_CHAINS, longest_first=longest_first)
+    started = time.perf_counter()
+    results = await runner.run(chains)
+    seconds = time.perf_counter() - started
+    failed = sum(result.status != "ok" for result in results)
+    return figures(seconds, common.processed_tokens(results), meter, failed), meter.requests
+
+
+async def replay_at_once(engine: VLLMEngine, requests: list[GenerationRequest]) -> dict[str, Any]:
+    await engine.reset_prefix_cache()
+    meter = BusyMeter(engine)
+    replayed = [replace(request, request_id=f"replay-{request.request_id}") for request in requests]
+    started = time.perf_counter()
+    completions = await asyncio.gather(*(meter.generate(request) for request in replayed))
+    seconds = time.perf_counter() - started
+    tokens = sum(c.prompt_tokens + c.completion_tokens for c in completions)
+    return figures(seconds, tokens, meter, failed=0)
+
+
+async def run_in_process(
+    config: VLLMEngineConfig, chains: Callable[[], list[MemoryChain]], method: MethodConfig
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    async with common.warm_engine(config) as engine:
+        startup_s = time.perf_counter() - started
+        print(f"engine ready in {startup_s:.1f} s", flush=True)
+        longest, requests = await run_runner(engine, chains(), method, longest_first=True)
+        print(f"1. runner, longest-first: {longest['seconds']:.1f} s", flush=True)
+        source, _ = await run_runner(engine, chains(), method, longest_first=False)
+        print(f"2. runner, source order: {source['seconds']:.1f} s", flush=True)
+        ceiling = await replay_at_once(engine, requests)
+        print(f"3. ceiling: {ceiling['seconds']:.1f} s", flush=True)
+    return {
+        "engine_startup_s": startup_s,
+        "runner_longest_first": longest,
+        "runner_source_order": source,
+        "ceiling": ceiling,
+    }
+
+
+# --- run 4: the Ray Data job ------------------------------------------------------------------
+
+
+def run_ray_job(
+    config: VLLMEngineConfig,
+    corpus: Sequence[CorpusDocument],
+    method: MethodConfig,
+    folder: Path,
+    model: str,
+) -> dict[str, Any]:
+    spec = JobSpec.from_dict({
+        "sources": [str(folder / "corpus")],  # listed sorted by name: in source order
+        "questions": [],  # each document's own, from its .questions.txt
+        "output": str(folder / "output"),
+        "state_store": f"sqlite:///{folder / 'state.sqlite'}",
+        "engine": {"model": model, "max_model_len": config.max_model_len, "dtype": config.dtype,
+                   "enforce_eager": True, "cpu_kvcache_space_gib": config.cpu_kvcache_space_gib},
+        "method": method.as_dict(),
+        "concurrency": {"actors": 1, "schedule": "longest-first",
+                        "batches_in_flight": max(32, len(corpus)),
+                        "max_active_chains": MAX_ACTIVE_CHAINS},
+        "ray_address": "local",  # a fresh local session, started and stopped inside the timing
+    })  # fmt: skip
+    summary: RunSummary = run_job(spec)
+    failed = summary.chains - summary.chains_done
+    end_to_end = figures(summary.elapsed_s, summary.tokens, None, failed)
+    end_to_end["busy_fraction"] = summary.busy_s / summary.elapsed_s
+    return {
+        "end_to_end": end_to_end,
+        "steady": figures(summary.busy_s, summary.tokens, None, failed),
+        "chains": summary.chains,
+        "documents_failed": summary.documents_failed,
+        "engine": summary.engine,
+        "leftover_processes": pipeline_overhead.end_leftovers(),
+    }
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def verdict(value: float, target: float) -> str:
+    return "met" if value >= target else "**missed**"
+
+
+def report(
+    args: argparse.Namespace,
+    corpus: Sequence[CorpusDocument],
+    n_chains: int,
+    machine: dict[str, Any],
+    runs: dict[str, Any],
+    job: dict[str, Any],
+) -> tuple[str, dict[str, float]]:
+    longest, source = runs["runner_longest_first"], runs["runner_source_order"]
+    ceiling, steady, end_to_end = runs["ceiling"], job["steady"], job["end_to_end"]
+    ratios = {
+        "runner_longest_first_of_ceiling": longest["tokens_per_s"] / ceiling["tokens_per_s"],
+        "runner_source_order_of_ceiling": source["tokens_per_s"] / ceiling["tokens_per_s"],
+        "job_steady_of_runner": steady["tokens_per_s"] / longest["tokens_per_s"],
+        "job_end_to_end_of_runner": end_to_end["tokens_per_s"] / longest["tokens_per_s"],
+        "source_order_over_longest_first_makespan": source["seconds"] / longest["seconds"],
+    }
+
+    def row(name: str, r: dict[str, Any]) -> tuple[object, ...]:
+        busy, in_flight = r["busy_fraction"], r["mean_requests_in_flight"]
+        return (name, f"{r['seconds']:.1f}", r["tokens"], f"{r['tokens_per_s']:.0f}",
+                "-" if busy is None else f"{busy:.0%}",
+                "-" if in_flight is None else f"{in_flight:.1f}",
+                r["failed_chains"], f"{r['load_1min_after']:.1f}")  # fmt: skip
+
+    runs_table = common.table(
+        ["run", "wall s", "tokens", "tokens/s", "engine busy", "mean requests in flight",
+         "failed chains", "1-min load after"],
+        [row("1. runner in process, longest-first", longest),
+         row("2. runner in process, source order", source),
+         row("3. ceiling: run 1's requests replayed at once", ceiling),
+         row("4. Ray job, end to end", end_to_end),
+         row("4. Ray job, steady state", steady)],
+    )  # fmt: skip
+    makespan = ratios["source_order_over_longest_first_makespan"]
+    ratios_table = common.table(
+        ["ratio", "value", "target", "verdict"],
+        [("runner longest-first / ceiling tokens/s",
+          f"{ratios['runner_longest_first_of_ceiling']:.2f}", f">= {RUNNER_OF_CEILING_TARGET:.2f}",
+          verdict(ratios["runner_longest_first_of_ceiling"], RUNNER_OF_CEILING_TARGET)),
+         ("runner source order / ceiling tokens/s",
+          f"{ratios['runner_source_order_of_ceiling']:.2f}", "- (reference)", "-"),
+         ("job steady / runner longest-first tokens/s", f"{ratios['job_steady_of_runner']:.2f}",
+          f">= {JOB_STEADY_TARGET:.2f}",
+          verdict(ratios["job_steady_of_runner"], JOB_STEADY_TARGET)),
+         ("job end to end / runner longest-first tokens/s",
+          f"{ratios['job_end_to_end_of_runner']:.2f}", f">= {JOB_END_TO_END_TARGET:.2f}",
+          verdict(ratios["job_end_to_end_of_runner"], JOB_END_TO_END_TARGET)),
+         ("source order / longest-first makespan", f"{makespan:.2f}",
+          "- (above 1: longest-first finished sooner)",
+          "longest-first sooner" if makespan > 1 else "**longest-first not sooner**")],
+    )  # fmt: skip
+    lengths = sorted(document.n_tokens for document in corpus)
+    cpu = machine["cpu"]
+    flags = " ".join(f"{name}{'+' if on else '-'}" for name, on in machine["cpu_flags"].items())
+    notes = [
+        f"Engine start-up (excluded from runs 1-3, included in the job's end to end): "
+        f"{runs['engine_startup_s']:.1f} s in process. Tokens are prompt + completion tokens "
+        "processed; wall s of runs 1-3 is the makespan from submitting every chain to the last "
+        "answer. Engine busy: share of the wall time with at least one request in flight "
+        "(for the job: steady s / end-to-end s).",
+    ]
+    if any(r["failed_chains"] for r in (longest, source, end_to_end)) or job["documents_failed"]:
+        notes.append("**Some chains or documents failed: the figures are not comparable.**")
+    if abs(end_to_end["tokens"] - longest["tokens"]) > 0.01 * longest["tokens"]:
+        notes.append("**The job and the runner processed token counts more than 1% apart.**")
+    if job["leftover_processes"]:
+        notes.append(
+            f"**{job['leftover_processes']} process(es) of the job's Ray session were still "
+            "running 30 s after `run_job` returned; the benchmark ended them.**"
+        )
+    markdown = "\n".join([
+        f"Corpus efficiency, {args.model}, {len(corpus)} documents of real text "
+        f"(log-normal lengths clipped to {args.min_tokens:,}-{args.max_tokens:,} tokens, seed "
+        f"{SEED}: min {lengths[0]:,}, median {statistics.median(lengths):,.0f}, max "
+        f"{lengths[-1]:,}, total {sum(lengths):,}), {n_chains} chains (1-3 questions each), "
+        f"{TEMPLATE}, chunk {args.chunk_size}, memory {args.max_memory_tokens}, answers 32 "
+        f"tokens, greedy, eager, up to {MAX_ACTIVE_CHAINS} chains at once, one engine at a time",
+        "",
+        f"CPU: {cpu['model']} ({cpu['architecture']}, {cpu['cores']} cores usable); "
+        f"{flags}; "
+        f"dtype {machine['dtype']}",
+        "",
+        *runs_table,
+        "",
+        *ratios_table,
+        *[line for note in notes for line in ("", note)],
+    ])  # fmt: skip
+    return markdown, ratios
+
+
+def main() -> None:
+    parser = common.bench_parser(__doc__)
+    parser.set_defaults(chunk_size=None, max_memory_tokens=None)
+    parser.add_argument("--documents", type=int, help="how many documents to draw")
+    parser.add_argument("--min-tokens", type=int, help="the shortest document length")
+    parser.add_argument("--max-tokens", type=int, help="the longest document length")
+    args = parser.parse_args()
+    base = QUICK if args.quick else FULL
+    sizes = Sizes(
+        documents=args.documents or base.documents,
+        min_tokens=args.min_tokens or base.min_tokens,
+        max_tokens=args.max_tokens or base.max_tokens,
+        chunk_size=args.chunk_size or base.chunk_size,
+        max_memory_tokens=args.max_memory_tokens or base.max_memory_tokens,
+    )
+    if not 0 < sizes.min_tokens <= sizes.max_tokens:
+        parser.error("need 0 < --min-tokens <= --max-tokens")
+    for name in ("documents", "min_tokens", "max_tokens", "chunk_size", "max_memory_tokens"):
+        setattr(args, name, getattr(sizes, name))
+    machine = collect()
+    method = common.bench_method(args, TEMPLATE)
+    config = replace(common.engine_config(args, KV_CACHE_GIB), dtype=resolve_dtype("auto"))
+    tokenizer = common.load_tokenizer(config)
+    with tempfile.TemporaryDirectory(prefix="bench-corpus-") as temporary:
+        folder = Path(temporary)
+        corpus = write_corpus(folder / "corpus", sizes, tokenizer)
+        n_chains = sum(len(document.questions) for document in corpus)
+        print(f"{len(corpus)} documents, {n_chains} chains, dtype {config.dtype}", flush=True)
+        runs = asyncio.run(
+            run_in_process(config, lambda: build_chains(corpus, tokenizer, method), method)
+        )
+        job = run_ray_job(config, corpus, method, folder, args.model)
+        print(f"4. job: {job['end_to_end']['seconds']:.1f} s", flush=True)
+    markdown, ratios = report(args, corpus, n_chains, machine, runs, job)
+    common.write_results(
+        "corpus_efficiency",
+        {"args": vars(args), "seed": SEED, "template": TEMPLATE,
+         "max_active_chains": MAX_ACTIVE_CHAINS, "kv_cache_gib": KV_CACHE_GIB,
+         "cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "dtype": machine["dtype"],
+         "versions": machine["versions"],
+         "documents": [{"name": d.path.name, "tokens": d.n_tokens, "questions": list(d.questions)}
+                       for d in corpus],
+         **runs, "job": job, "ratios": ratios,
+         "targets": {"runner_of_ceiling": RUNNER_OF_CEILING_TARGET,
+                     "job_steady_of_runner": JOB_STEADY_TARGET,
+                     "job_end_to_end_of_runner": JOB_END_TO_END_TARGET}},
+        markdown,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
