@@ -11,8 +11,12 @@ from .base import Engine
 from .hardware import DTYPES, Hardware, resolve_dtype
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
-# Below this many document tokens to read, an engine starts in eager mode: torch.compile's
-# longer start-up would not be repaid by its faster steps (bench/prefill_decode.py --compile).
+# Below this many document tokens to read, an engine starts in eager mode. On an AVX2-only EPYC
+# (SmolLM2-135M, float32, bench/prefill_decode.py --modes eager,compiled) torch.compile added
+# 100 s of start-up (131 s against 31 s) for 0-7% faster steps (5K-token prefill 221 against 206
+# tokens/s, decode 124 against 118, 1K-token prefill slower: 357 against 404): it repays its
+# start-up only after some 2,000 s of eager work, about half a million tokens at best. 2M leaves
+# room for the noise in those few percent.
 COMPILE_PAYS_OFF_TOKENS = 2_000_000
 
 
