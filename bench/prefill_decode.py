@@ -64,17 +64,21 @@ def main() -> None:
             figures = asyncio.run(measure(spec))
             print(f"{dtype} {mode}: {figures}", flush=True)
             rows.append({"dtype": dtype, "mode": mode, **figures})
+            write(args.model, machine, rows)  # after each row: a stopped run keeps what it did
+
+
+def write(model: str, machine: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     native = "yes" if machine["cpu"]["native_bf16"] else "no"
     cpu = f"{machine['cpu']['model']}, native bf16: {native}"
     columns = list(rows[0])
     markdown = "\n".join([
-        f"{args.model} on {cpu} ({machine['cpu']['cores']} cores); `auto` resolves to "
+        f"{model} on {cpu} ({machine['cpu']['cores']} cores); `auto` resolves to "
         f"{machine['dtype']} here. Each row one engine, one after the other.",
         "",
         *table(columns, [[str(row[c]) for c in columns] for row in rows]),
     ])  # fmt: skip
-    name = f"prefill_decode-{args.model}"
-    write_results(name, {"model": args.model, "cpu": machine["cpu"],
+    name = f"prefill_decode-{model}"
+    write_results(name, {"model": model, "cpu": machine["cpu"],
                          "cpu_flags": machine["cpu_flags"], "rows": rows}, markdown)  # fmt: skip
 
 
