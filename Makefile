@@ -5,7 +5,8 @@ TEST_MODEL ?= smollm2-135m-instruct
 # Document size factor of the demo corpus: 0.4 gives 8K-36K-token documents and fits the
 # 20-minute budget of a fresh 2-core machine; 1.0 gives 20K-90K.
 DEMO_SCALE ?= 0.4
-# `make bench` takes about 2 hours on a quiet 2-core machine (48 minutes of it: the 1M-token
+# `make bench` takes about 2 hours on a quiet 2-core machine, plus several for the full-size
+# corpus_efficiency run (48 minutes of the 2 hours: the 1M-token
 # document of the scaling run). BENCH_ARGS=--quick runs small sizes; --with-serving adds the slow
 # serving benchmark. Results: bench/results/SUMMARY.md.
 BENCH_ARGS ?=

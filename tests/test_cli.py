@@ -164,3 +164,21 @@ def test_ctrl_c_during_the_chains_ends_ask_with_one_line(tmp_path: Path) -> None
     assert "Traceback" not in stderr and "RuntimeError" not in stderr, stderr[-3000:]
     (last,) = [line for line in stderr.splitlines() if "interrupted" in line]
     assert last.startswith("memstream: interrupted") and stdout == ""
+
+
+def test_env_json_reports_the_machine_and_the_dtype_auto_picks() -> None:
+    from pipeline.engines.hardware import detect, resolve_dtype
+
+    result = memstream("env", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {"dtype", "cpu_flags", "gpus", "versions", "models"} <= set(report)
+    assert report["dtype"] == resolve_dtype("auto")
+    assert report["cpu_flags"]["avx2"] == ("avx2" in detect().cpu_flags)
+    assert report["versions"]["vllm"] and report["versions"]["torch"]
+    assert {model["name"] for model in report["models"]} >= {TEST_MODEL}
+    with_env = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "env", "--json"], capture_output=True, text=True,
+        env={**os.environ, "MEMSTREAM_DTYPE": "float16"}, check=True,
+    )  # fmt: skip
+    assert json.loads(with_env.stdout)["dtype"] == "float16"
