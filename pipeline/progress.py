@@ -77,11 +77,11 @@ def progress_bar(console: Console, starting: str = "starting") -> Iterator[Progr
     )
     with Progress(*columns, console=console) as bar:
         task = bar.add_task(starting, total=None, chains="0/0", left="")
-        first_done_at: list[float] = []
+        first_done_at: list[tuple[float, int]] = []
 
         def update(progress: RunProgress) -> None:
             if progress.steps_done and not first_done_at:
-                first_done_at.append(time.monotonic())
+                first_done_at.append((time.monotonic(), progress.steps_done))
             bar.update(
                 task,
                 description="model calls" if progress.steps_planned else starting,
@@ -94,17 +94,16 @@ def progress_bar(console: Console, starting: str = "starting") -> Iterator[Progr
         yield update
 
 
-def _time_left(progress: RunProgress, first_done_at: list[float]) -> str:
-    """From the pace since the first call finished (start-up and the first call's own wait are
-    not the pace of the rest)."""
-    if (
-        not first_done_at
-        or progress.steps_done < 2
-        or progress.steps_done >= progress.steps_planned
-    ):
+def _time_left(progress: RunProgress, first_done_at: list[tuple[float, int]]) -> str:
+    """From the pace since the first reading with a finished call (start-up and the first
+    calls' own wait are not the pace of the rest)."""
+    if not first_done_at or progress.steps_done >= progress.steps_planned:
         return ""
-    pace = (time.monotonic() - first_done_at[0]) / (progress.steps_done - 1)
-    seconds = pace * max(progress.steps_planned - progress.steps_done, 0)
+    since, done_then = first_done_at[0]
+    if progress.steps_done <= done_then:
+        return ""
+    pace = (time.monotonic() - since) / (progress.steps_done - done_then)
+    seconds = pace * (progress.steps_planned - progress.steps_done)
     return f"about {_duration(seconds)} left"
 
 
@@ -123,13 +122,13 @@ def progress_lines(
     that answers the last chain planned so far; `starting` until a call is planned."""
     started = time.monotonic()
     last: tuple[float, RunProgress | None] = (-every_s, None)
-    first_done_at: list[float] = []
+    first_done_at: list[tuple[float, int]] = []
 
     def report(progress: RunProgress) -> None:
         nonlocal last
         now = time.monotonic()
         if progress.steps_done and not first_done_at:
-            first_done_at.append(now)
+            first_done_at.append((now, progress.steps_done))
         finished = progress.chains_planned > 0 and progress.chains_done == progress.chains_planned
         if progress != last[1] and (finished or now - last[0] >= every_s):
             last = (now, progress)
