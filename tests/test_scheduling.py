@@ -36,16 +36,26 @@ class RecordingEngine:
         return None
 
 
-def test_a_freed_slot_goes_to_the_lowest_priority_value_first_ties_in_arrival_order() -> None:
-    async def scenario() -> list[str]:
-        gate, admitted = PriorityGate(1), []
-        release = asyncio.Event()
+class Holders:
+    """A one-slot gate and the order in which holders got it; "first" keeps it until released."""
 
+    def __init__(self) -> None:
+        self.gate, self.admitted = PriorityGate(1), []
+
+    def hold_until(self, release: asyncio.Event):  # type: ignore[no-untyped-def]
         async def hold(name: str, priority: int) -> None:
-            async with gate.slot(priority):
-                admitted.append(name)
+            async with self.gate.slot(priority):
+                self.admitted.append(name)
                 if name == "first":
                     await release.wait()
+
+        return hold
+
+
+def test_a_freed_slot_goes_to_the_lowest_priority_value_first_ties_in_arrival_order() -> None:
+    async def scenario() -> list[str]:
+        gate, release = Holders(), asyncio.Event()
+        hold, admitted = gate.hold_until(release), gate.admitted
 
         first = asyncio.create_task(hold("first", 0))
         await asyncio.sleep(0)
@@ -61,14 +71,8 @@ def test_a_freed_slot_goes_to_the_lowest_priority_value_first_ties_in_arrival_or
 
 def test_a_cancelled_waiter_gives_up_its_place_and_the_slot_is_not_lost() -> None:
     async def scenario() -> list[str]:
-        gate, admitted = PriorityGate(1), []
-        release = asyncio.Event()
-
-        async def hold(name: str, priority: int) -> None:
-            async with gate.slot(priority):
-                admitted.append(name)
-                if name == "first":
-                    await release.wait()
+        gate, release = Holders(), asyncio.Event()
+        hold, admitted = gate.hold_until(release), gate.admitted
 
         first = asyncio.create_task(hold("first", 0))
         await asyncio.sleep(0)
@@ -78,7 +82,7 @@ def test_a_cancelled_waiter_gives_up_its_place_and_the_slot_is_not_lost() -> Non
         cancelled.cancel()
         release.set()
         await asyncio.gather(first, kept)
-        async with gate.slot(0):  # the slot came back after everyone left
+        async with gate.gate.slot(0):  # the slot came back after everyone left
             admitted.append("after")
         return admitted
 
