@@ -153,6 +153,16 @@ groundings = Table(
     Column("created_at", Float, nullable=False),
 )
 
+# The reply lines of an update step that its memory policy did not find in the section
+# ("verified-quotes"); a row only for steps that dropped something.
+rejected_quotes = Table(
+    "rejected_quotes",
+    metadata,
+    Column("chain_key", String(64), primary_key=True),
+    Column("step", Integer, primary_key=True),
+    Column("quotes", Text, nullable=False),  # JSON list of the dropped lines
+)
+
 errors = Table(
     "errors",
     metadata,
@@ -496,8 +506,17 @@ class StateStore:
                 steps.c.completion_tokens,
                 steps.c.finish_reason,
                 steps.c.latency_s,
+                rejected_quotes.c.quotes.label("rejected_quotes"),
             )
-            .select_from(_with_documents(steps))
+            .select_from(
+                _with_documents(steps).outerjoin(
+                    rejected_quotes,
+                    and_(
+                        rejected_quotes.c.chain_key == steps.c.chain_key,
+                        rejected_quotes.c.step == steps.c.step,
+                    ),
+                )
+            )
             .where(_of_attempt(run_id, attempt))
             .order_by(run_chains.c.source_uri, run_chains.c.question_id, steps.c.step)
         )
@@ -679,6 +698,7 @@ def write_step(connection: Connection, checkpoint: StepCheckpoint) -> None:
     now = time.time()
     step_row = asdict(checkpoint.record)
     step_row["chain_key"] = step_row.pop("chain_id")
+    dropped = step_row.pop("rejected_quotes")
     step_row["memory_after"] = step_row.pop("output")
     step_row["created_at"] = now
     of_chain = steps.c.chain_key == checkpoint.chain_key
@@ -710,6 +730,10 @@ def write_step(connection: Connection, checkpoint: StepCheckpoint) -> None:
     connection.execute(
         update(chains).where(chains.c.chain_key == checkpoint.chain_key).values(chain_values)
     )
+    if dropped:
+        row = {"chain_key": checkpoint.chain_key, "step": checkpoint.record.step,
+               "quotes": json.dumps(list(dropped), ensure_ascii=False)}  # fmt: skip
+        _upsert(connection, rejected_quotes, row, keys=["chain_key", "step"], update=["quotes"])
 
 
 def write_failure(connection: Connection, chain_key: str, error: str) -> None:

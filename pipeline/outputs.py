@@ -108,6 +108,8 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("completion_tokens", pa.int64()),
         ("finish_reason", pa.string()),
         ("latency_s", pa.float64()),
+        # reply lines the memory policy did not find in the section (verified-quotes); else empty
+        ("rejected_quotes", pa.list_(pa.string())),
     ]
 )
 
@@ -163,7 +165,10 @@ class ResultWriter:
                 ANSWERS_SCHEMA,
                 (answer_row(row, run) for row in store.answers(run.run_id, run.attempt)),
             ),
-            "trajectory": (TRAJECTORY_SCHEMA, store.trajectory(run.run_id, run.attempt)),
+            "trajectory": (
+                TRAJECTORY_SCHEMA,
+                (trajectory_row(row) for row in store.trajectory(run.run_id, run.attempt)),
+            ),
             "errors": (ERRORS_SCHEMA, store.errors(run.run_id, run.attempt)),
         }
         return {
@@ -203,6 +208,10 @@ class ResultWriter:
     def _write_bytes(self, path: str, data: bytes) -> None:
         with self.filesystem.open_output_stream(path) as stream:
             stream.write(data)
+
+
+def trajectory_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {**row, "rejected_quotes": json.loads(row["rejected_quotes"] or "[]")}
 
 
 def answer_row(row: Mapping[str, Any], run: RunIdentity) -> dict[str, Any]:

@@ -38,9 +38,23 @@ class StepRecord:
     completion_tokens: int
     finish_reason: str | None
     latency_s: float
+    rejected_quotes: tuple[str, ...] = ()  # reply lines a verifying memory policy dropped
 
     @classmethod
-    def of(cls, request: StepRequest, completion: Completion, output: str) -> StepRecord:
+    def after(cls, chain: MemoryChain, request: StepRequest, completion: Completion) -> StepRecord:
+        """The record of `request`, which `chain` has just taken the reply of."""
+        if request.kind is StepKind.UPDATE:
+            return cls.of(request, completion, chain.memory, chain.rejected)
+        return cls.of(request, completion, completion.text)
+
+    @classmethod
+    def of(
+        cls,
+        request: StepRequest,
+        completion: Completion,
+        output: str,
+        rejected_quotes: tuple[str, ...] = (),
+    ) -> StepRecord:
         segment = request.segment
         return cls(
             chain_id=request.chain_id,
@@ -56,6 +70,7 @@ class StepRecord:
             completion_tokens=completion.completion_tokens,
             finish_reason=completion.finish_reason,
             latency_s=completion.latency_s,
+            rejected_quotes=rejected_quotes,
         )
 
 
@@ -116,8 +131,7 @@ class ChainRunner:
                         )
                     )
                     chain.submit(completion.text)
-                    output = chain.memory if request.kind is StepKind.UPDATE else completion.text
-                    record = StepRecord.of(request, completion, output)
+                    record = StepRecord.after(chain, request, completion)
                     result.trajectory.append(record)
                     result.prompt_tokens += completion.prompt_tokens
                     result.completion_tokens += completion.completion_tokens

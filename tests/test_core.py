@@ -18,11 +18,13 @@ from pipeline.core.extraction import (
     strip_thinking,
     sub_exact_match,
 )
-from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
+from pipeline.core.quotes import check_quotes
+from pipeline.core.segmentation import Segment, SegmentationConfig, segment, tokenize
 from pipeline.core.templates import (
     APPEND_EVIDENCE,
     REFERENCE,
     SEGMENT_FIRST,
+    VERIFIED_QUOTES,
     append_within_budget,
     defang,
     get_template_set,
@@ -270,3 +272,59 @@ def test_append_strategy_drives_the_chain() -> None:
     chain.submit("NONE")
     chain.submit("part1. is the answer")
     assert chain.memory == "part1. is the answer"
+
+
+CONTRACT_SECTION = (
+    "11. NOTICES. Notices go to the addresses above.\n"
+    "12. GOVERNING LAW. This Agreement shall be governed by the laws of the\n"
+    "    State of Vermont, without regard to its conflict of laws principles.\n"
+)
+
+
+def test_quotes_are_kept_as_the_sections_own_text_and_inventions_are_rejected() -> None:
+    check = check_quotes(
+        "Here are the sentences:\n"
+        "- this agreement shall be governed by the laws of the State of Vermont.\n"
+        "1. This Agreement shall be governed by the laws of the State of Virginia.\n"
+        "2. The parties agree that Virginia law applies to all disputes.\n"
+        '"Notices go to the adresses above."\n'
+        "NONE\n"
+        "Vermont law\n",
+        CONTRACT_SECTION,
+    )
+    assert check.kept == (
+        "This Agreement shall be governed by the laws of the State of Vermont,",
+        "Notices go to the addresses above.",
+    )
+    # A near-copy with a changed word is stored as the section has it: never the model's words.
+    assert check.rejected == (
+        "Here are the sentences:",
+        "2. The parties agree that Virginia law applies to all disputes.",
+    )
+    assert check_quotes("NONE", CONTRACT_SECTION) == check_quotes("", CONTRACT_SECTION)
+    assert check_quotes("NONE", CONTRACT_SECTION).kept == ()
+
+
+def test_verified_quotes_chain_keeps_only_what_the_sections_hold() -> None:
+    texts = [CONTRACT_SECTION, "13. ASSIGNMENT. Neither party may assign this Agreement freely."]
+    segments, start = [], 0
+    for index, text in enumerate(texts):
+        segments.append(Segment("doc", index, start, start + 1, start, start + len(text), text))
+        start += len(text)
+    config = ChainConfig(templates=VERIFIED_QUOTES, max_memory_tokens=100)
+    chain = MemoryChain("doc#q0", "Which law governs?", segments, config)
+    first = chain.next_request()
+    assert first is not None and "<memory>" not in first.prompt
+    assert first.prompt.index("<section>") < first.prompt.index("<problem>")
+    chain.submit("This Agreement shall be governed by the laws of the State of Vermont")
+    assert chain.memory == "This Agreement shall be governed by the laws of the State of Vermont,"
+    assert chain.rejected == ()
+    chain.submit("The laws of the State of Vermont govern it.\nNeither party may assign this")
+    assert chain.memory == (
+        "This Agreement shall be governed by the laws of the State of Vermont,\n"
+        "Neither party may assign this"
+    )
+    assert chain.rejected == ("The laws of the State of Vermont govern it.",)
+    final = chain.next_request()
+    assert final is not None and final.kind is StepKind.FINAL
+    assert "State of Vermont," in final.prompt and "govern it" not in final.prompt

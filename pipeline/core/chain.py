@@ -80,6 +80,7 @@ class MemoryChain:
         self.memory = config.templates.initial_memory if memory is None else memory
         self.step = start_step
         self.raw_response: str | None = None
+        self.rejected: tuple[str, ...] = ()  # reply lines the last update's policy dropped
 
     @property
     def n_steps(self) -> int:
@@ -127,9 +128,10 @@ class MemoryChain:
             raise RuntimeError(f"chain {self.chain_id} is already answered")
         if self.step < len(self.segments):
             budget_chars = self.config.max_memory_tokens * CHARS_PER_TOKEN
-            self.memory = self.config.templates.next_memory(
-                self.memory, strip_thinking(reply), budget_chars
+            update = self.config.templates.next_memory(
+                self.memory, strip_thinking(reply), self.segments[self.step].text, budget_chars
             )
+            self.memory, self.rejected = update.memory, update.rejected
         else:
             self.raw_response = reply
         self.step += 1

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .quotes import NOTHING_FOUND, check_quotes
+
 REFERENCE_UPDATE = """You are presented with a problem, a section of an article that may contain the answer to the problem, and a previous memory. Please read the provided section carefully and update the memory with the new information that helps to answer the problem. Be sure to retain all relevant details from the previous memory while adding any new, useful information.
 
 <problem> 
@@ -57,7 +59,9 @@ class TemplateSet:
 
     `memory_policy` says what becomes of an update's reply: "overwrite" (the reference) makes it
     the new memory; "append" adds it to the memory as new lines, unless it says NONE, and drops
-    the oldest lines, saying how many, once the memory outgrows its budget.
+    the oldest lines, saying how many, once the memory outgrows its budget; "quotes" appends only
+    the reply's lines that are found in the section, as the section's text, and reports the rest
+    as rejected (`pipeline.core.quotes`).
     """
 
     name: str
@@ -67,8 +71,9 @@ class TemplateSet:
     memory_policy: str = "overwrite"
 
     def __post_init__(self) -> None:
-        if self.memory_policy not in ("overwrite", "append"):
-            raise ValueError(f"memory_policy must be overwrite or append: {self.memory_policy!r}")
+        if self.memory_policy not in MEMORY_POLICIES:
+            known = ", ".join(MEMORY_POLICIES)
+            raise ValueError(f"memory_policy must be one of {known}: {self.memory_policy!r}")
 
     def render_update(self, question: str, memory: str, chunk: str) -> str:
         return self.update.format(
@@ -78,13 +83,30 @@ class TemplateSet:
     def render_final(self, question: str, memory: str) -> str:
         return self.final.format(question=defang(question), memory=defang(memory))
 
-    def next_memory(self, memory: str, reply: str, budget_chars: int) -> str:
+    def next_memory(self, memory: str, reply: str, section: str, budget_chars: int) -> MemoryUpdate:
+        """The memory after an update step that read `section` and replied `reply`."""
         if self.memory_policy == "overwrite":
-            return reply
-        return append_within_budget(memory, reply, budget_chars, self.initial_memory)
+            return MemoryUpdate(reply)
+        if self.memory_policy == "append":
+            return MemoryUpdate(
+                append_within_budget(memory, reply, budget_chars, self.initial_memory)
+            )
+        check = check_quotes(reply, section)
+        present = set(memory.splitlines())
+        new_quotes = "\n".join(quote for quote in check.kept if quote not in present)
+        return MemoryUpdate(
+            append_within_budget(memory, new_quotes, budget_chars, self.initial_memory),
+            rejected=check.rejected,
+        )
 
 
-NOTHING_FOUND = "NONE"
+MEMORY_POLICIES = ("overwrite", "append", "quotes")
+
+
+@dataclass(frozen=True)
+class MemoryUpdate:
+    memory: str
+    rejected: tuple[str, ...] = ()  # reply lines a "quotes" policy did not find in the section
 
 
 def append_within_budget(memory: str, reply: str, budget_chars: int, initial: str) -> str:
@@ -158,6 +180,34 @@ def section_first(update: str) -> str:
 # The RL-MemAgent weights were trained on the reference order.
 SEGMENT_FIRST_UPDATE = section_first(REFERENCE_UPDATE)
 
+# The section first, as in segment-first, so questions about one segment share its prefill; no
+# memory in the prompt, as the system, not the model, keeps the verified quotes.
+QUOTES_UPDATE = """Here is a section of a long document, then a problem. Copy from the section, word for word, the sentences that help answer the problem, one per line. Copy only sentences that are in the section; do not explain. If no sentence helps, write only: NONE
+
+<section>
+{chunk}
+</section>
+
+<problem> 
+{question}
+</problem>
+
+Sentences of the section that help, copied word for word:
+"""  # noqa: E501, W291
+
+QUOTES_FINAL = """You are presented with a problem and sentences quoted from a document. Please answer the problem based on the quoted sentences and format your response as follows "Therefore, the answer is (insert answer here)". If the quotes do not answer it, say "Therefore, the answer is not in the document".
+
+<problem> 
+{question}
+</problem>
+
+<memory>
+{memory}
+</memory>
+
+Your answer:
+"""  # noqa: E501, W291
+
 EXTRACTIVE = TemplateSet(name="extractive", update=EXTRACTIVE_UPDATE, final=REFERENCE_FINAL)
 APPEND_EVIDENCE = TemplateSet(
     name="append-evidence",
@@ -169,8 +219,15 @@ SEGMENT_FIRST = TemplateSet(
     name="segment-first", update=SEGMENT_FIRST_UPDATE, final=REFERENCE_FINAL
 )
 
+VERIFIED_QUOTES = TemplateSet(
+    name="verified-quotes",
+    update=QUOTES_UPDATE,
+    final=QUOTES_FINAL,
+    memory_policy="quotes",
+)
+
 TEMPLATE_SETS: dict[str, TemplateSet] = {
-    t.name: t for t in (REFERENCE, EXTRACTIVE, APPEND_EVIDENCE, SEGMENT_FIRST)
+    t.name: t for t in (REFERENCE, EXTRACTIVE, APPEND_EVIDENCE, SEGMENT_FIRST, VERIFIED_QUOTES)
 }
 
 
