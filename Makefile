@@ -26,6 +26,7 @@ demo: setup
 
 test: setup models
 	bash infra/services/postgres.sh install
+	bash infra/services/chromium.sh install
 	$(BIN)/pytest -q -ra
 
 test-fast: setup

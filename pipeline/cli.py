@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
         handler=run_demo_command, enforce_eager=True, max_memory_tokens=256, max_answer_tokens=64
     )
 
+    report = commands.add_parser("report", help="write a run's results as one HTML page")
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="e.g. OUTPUT/RUN_ID")
+    report.add_argument("--out", type=Path, help="the HTML file (default RUN_DIR/report.html)")
+    report.set_defaults(handler=run_report_command)
+
     from serving.cli import register as register_serve
 
     from .env_command import register as register_env
@@ -219,6 +224,13 @@ def run_demo_command(args: argparse.Namespace) -> int:
 
     terminal.capture(args.output.resolve(), "demo", verbose=args.verbose)
     return run_demo(args.output, engine_spec(args), method_config(args), args.scale)
+
+
+def run_report_command(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    print(write_report(args.run_dir, args.out))
+    return 0
 
 
 def run_models_pull(args: argparse.Namespace) -> int:

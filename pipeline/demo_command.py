@@ -19,6 +19,7 @@ from .core.evidence import Evidence
 from .core.extraction import string_match_any
 from .engines.factory import EngineSpec
 from .job import JobSpec, OutputSpec
+from .report import write_report
 from .run_command import run_with_progress
 
 
@@ -72,4 +73,5 @@ def run_demo(output: Path, spec: EngineSpec, method: MethodConfig, scale: float)
         f'  .venv/bin/python -c "import duckdb; duckdb.sql(\\"{query}\\").show()"',
     ):
         print(line, file=term.out)
+    print(f"report: {write_report(folder)}", file=term.out)
     return 0 if summary.ok else 1

@@ -8,6 +8,7 @@ memories) so the whole file runs in minutes on two cores; the engine tests share
 from __future__ import annotations
 
 import contextlib
+import html
 import io
 import json
 import os
@@ -40,7 +41,7 @@ from connectors.state_store import (
     StepCheckpoint,
 )
 from operators.parsing import parse_document
-from pipeline.cli import build_parser, method_config
+from pipeline.cli import build_parser, main, method_config
 from pipeline.config import default_template
 from pipeline.engines.factory import DEFAULT_MODEL
 from pipeline.job import JobError, JobSpec, derive_run_id, load_job_spec, plan_job, run_job
@@ -315,7 +316,9 @@ def document(run_id: str, attempt: int, uri: str) -> DocumentRecord:
     )
 
 
-def step(key: str, index: int, *, final: bool = False) -> StepCheckpoint:
+def step(
+    key: str, index: int, *, final: bool = False, rejected: tuple[str, ...] = ()
+) -> StepCheckpoint:
     record = StepRecord(
         chain_id=key,
         step=index,
@@ -330,6 +333,7 @@ def step(key: str, index: int, *, final: bool = False) -> StepCheckpoint:
         completion_tokens=10,
         finish_reason="stop",
         latency_s=0.5,
+        rejected_quotes=rejected,
     )
     return StepCheckpoint(
         record,
@@ -363,7 +367,7 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
     assert store.begin_run("run-a", {"what": "test"}) == 2
     statuses = store.plan_document(document("run-a", 2, "file:///a"), chains)
     assert statuses == {"key-1": "running", "key-2": "pending"}
-    store.record_step(step("key-1", 1))  # a step written twice stays one row
+    store.record_step(step("key-1", 1, rejected=("not in the section",)))  # written twice: one row
     store.record_step(step("key-1", 2, final=True))
     store.mark_failed("key-2", "EngineError: boom")
     store.mark_failed("key-1", "too late: it is done")
@@ -393,6 +397,8 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
         "trajectory": 3,
         "errors": 0,
     }
+    query = f"SELECT step, rejected_quotes FROM '{tables['trajectory'].uri}' ORDER BY step"
+    assert duckdb.sql(query).fetchall() == [(0, []), (1, ["not in the section"]), (2, [])]
     query = f"SELECT question_id, sampling.top_p, dtype FROM '{tables['answers'].uri}'"
     assert duckdb.sql(query).df().values.tolist() == [
         ["q0", 1.0, "float32"],
@@ -493,6 +499,7 @@ def test_local_job_answers_every_document_or_says_why(
 
     assert_complete_trajectories(answers, trajectory)
     assert_evidence_points_into_the_source(answers)
+    assert_report_shows_the_run(Path(summary.outputs["answers"]).parent, answers, errors)
     assert summary.documents == 8 and summary.documents_answered == 4
     assert summary.documents_failed == 4 and summary.errors == 4
     assert summary.chains == summary.chains_done == 5 and summary.chains_failed == 0
@@ -507,6 +514,15 @@ def test_local_job_answers_every_document_or_says_why(
     assert again.sort_values(by_chain).raw_response.tolist() == (
         answers.sort_values(by_chain).raw_response.tolist()
     )
+
+
+def assert_report_shows_the_run(folder: Path, answers: pd.DataFrame, errors: pd.DataFrame) -> None:
+    """`memstream report` on the run folder: a page with every chain, question and error."""
+    assert main(["report", str(folder)]) == 0
+    page = (folder / "report.html").read_text()
+    assert page.count('<section class="chain"') == len(answers)
+    for text in [*answers.question, *answers.name, *errors.name]:
+        assert html.escape(text) in page, text
 
 
 def assert_evidence_points_into_the_source(answers: pd.DataFrame) -> None:

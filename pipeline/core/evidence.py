@@ -152,6 +152,11 @@ class Grounding:
         }
 
 
+def says_not_in_document(answer: str) -> bool:
+    """The answer says the document does not tell ("not mentioned", "no information", ...)."""
+    return bool(_NO_ANSWER.search(normalize_answer(answer)))
+
+
 def text_segments(doc_id: str, text: str, size: int = 20_000) -> list[Segment]:
     """`text` cut into exact character slices of about `size`, at a line break where one is
     near: segments to look for evidence in where no token segmentation is at hand."""
@@ -325,7 +330,7 @@ def _ground(
     normalized = normalize_answer(answer or "")
     if not normalized or not words:
         return [], False, "The answer has no words or numbers to look up."
-    if _NO_ANSWER.search(normalized):
+    if says_not_in_document(answer or ""):
         return [], False, "No answer: the model said the document does not give one."
     if normalized in _YES_NO:
         return [], False, "A yes/no answer cannot be traced to a passage; see the memory evidence."
