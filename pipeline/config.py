@@ -8,7 +8,7 @@ from typing import Any
 
 from .core.chain import REFERENCE_MAX_ANSWER_TOKENS, REFERENCE_MAX_MEMORY_TOKENS, ChainConfig
 from .core.segmentation import REFERENCE_CHUNK_SIZE, SegmentationConfig
-from .core.templates import REFERENCE, SEGMENT_FIRST, get_template_set
+from .core.templates import REFERENCE, SEGMENT_FIRST, VERIFIED_QUOTES, get_template_set
 from .engines.base import SamplingConfig
 from .engines.factory import DEFAULT_MODEL
 
@@ -16,7 +16,7 @@ from .engines.factory import DEFAULT_MODEL
 # the best measured by `memstream eval` (README, Accuracy); for every other model the reference,
 # which is what the RL-MemAgent weights were trained on.
 MEASURED_DEFAULT_TEMPLATES: dict[str, str] = {
-    "qwen2.5-coder-0.5b-instruct": SEGMENT_FIRST.name,
+    "qwen2.5-coder-0.5b-instruct": VERIFIED_QUOTES.name,
     "smollm2-135m-instruct": SEGMENT_FIRST.name,
 }
 

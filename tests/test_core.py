@@ -279,9 +279,13 @@ CONTRACT_SECTION = (
     "12. GOVERNING LAW. This Agreement shall be governed by the laws of the\n"
     "    State of Vermont, without regard to its conflict of laws principles.\n"
 )
+GOVERNING_LAW = (
+    "This Agreement shall be governed by the laws of the State of Vermont, "
+    "without regard to its conflict of laws principles."
+)
 
 
-def test_quotes_are_kept_as_the_sections_own_text_and_inventions_are_rejected() -> None:
+def test_quotes_are_kept_as_the_sections_own_sentences_and_inventions_are_rejected() -> None:
     check = check_quotes(
         "Here are the sentences:\n"
         "- this agreement shall be governed by the laws of the State of Vermont.\n"
@@ -289,20 +293,37 @@ def test_quotes_are_kept_as_the_sections_own_text_and_inventions_are_rejected() 
         "2. The parties agree that Virginia law applies to all disputes.\n"
         '"Notices go to the adresses above."\n'
         "NONE\n"
-        "Vermont law\n",
+        "Vermont\n",
         CONTRACT_SECTION,
     )
-    assert check.kept == (
-        "This Agreement shall be governed by the laws of the State of Vermont,",
-        "Notices go to the addresses above.",
-    )
     # A near-copy with a changed word is stored as the section has it: never the model's words.
+    assert check.kept == (GOVERNING_LAW, "Notices go to the addresses above.")
     assert check.rejected == (
         "Here are the sentences:",
         "2. The parties agree that Virginia law applies to all disputes.",
+        "Vermont",  # too short to say where it came from
     )
     assert check_quotes("NONE", CONTRACT_SECTION) == check_quotes("", CONTRACT_SECTION)
     assert check_quotes("NONE", CONTRACT_SECTION).kept == ()
+
+
+def test_a_copied_fragment_brings_its_whole_log_line() -> None:
+    log = (
+        "02:17:06Z INFO payments-api processor Acquira responded in 24 ms\n"
+        "02:17:09Z ERROR payments-api charge failed: processor ZephyrPay timed out after 30000 ms\n"
+        "02:17:12Z INFO payments-api GC pause 3 ms"
+    )
+    check = check_quotes(
+        "processor ZephyrPay timed out\nGC pause 3 ms\nAcquira responded\nINFO payments-api",
+        log,
+    )
+    assert check.kept == (
+        "02:17:09Z ERROR payments-api charge failed: processor ZephyrPay timed out after 30000 ms",
+        "02:17:12Z INFO payments-api GC pause 3 ms",
+        "02:17:06Z INFO payments-api processor Acquira responded in 24 ms",
+        "INFO payments-api",  # in two lines: which one the model meant is unknown
+    )
+    assert check.rejected == ()
 
 
 def test_verified_quotes_chain_keeps_only_what_the_sections_hold() -> None:
@@ -317,13 +338,9 @@ def test_verified_quotes_chain_keeps_only_what_the_sections_hold() -> None:
     assert first is not None and "<memory>" not in first.prompt
     assert first.prompt.index("<section>") < first.prompt.index("<problem>")
     chain.submit("This Agreement shall be governed by the laws of the State of Vermont")
-    assert chain.memory == "This Agreement shall be governed by the laws of the State of Vermont,"
-    assert chain.rejected == ()
+    assert (chain.memory, chain.rejected) == (GOVERNING_LAW, ())
     chain.submit("The laws of the State of Vermont govern it.\nNeither party may assign this")
-    assert chain.memory == (
-        "This Agreement shall be governed by the laws of the State of Vermont,\n"
-        "Neither party may assign this"
-    )
+    assert chain.memory == (f"{GOVERNING_LAW}\nNeither party may assign this Agreement freely.")
     assert chain.rejected == ("The laws of the State of Vermont govern it.",)
     final = chain.next_request()
     assert final is not None and final.kind is StepKind.FINAL

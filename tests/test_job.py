@@ -125,7 +125,7 @@ def test_template_defaults_to_the_models_best_measured_and_an_explicit_one_wins(
 
     qwen, rl_memagent = "qwen2.5-coder-0.5b-instruct", "BytedTsinghua-SIA/RL-MemAgent-14B"
     assert job().method.template == default_template(DEFAULT_MODEL)
-    assert job(engine={"model": qwen}).method.template == "segment-first"
+    assert job(engine={"model": qwen}).method.template == "verified-quotes"
     assert job(engine={"model": "smollm2-135m-instruct"}).method.template == "segment-first"
     assert job(engine={"model": rl_memagent}).method.template == "memagent-reference"
     assert job(engine={"model": "/models/my-finetune"}).method.template == "memagent-reference"
@@ -135,7 +135,7 @@ def test_template_defaults_to_the_models_best_measured_and_an_explicit_one_wins(
     assert served.method.template == "memagent-reference" and served.method.chunk_size == 900
     assert load_config(None).method.template == default_template(DEFAULT_MODEL)
     asked = build_parser().parse_args(["ask", "doc.txt", "-q", "Q?", "--model", qwen])
-    assert method_config(asked).template == "segment-first"
+    assert method_config(asked).template == "verified-quotes"
     asked = build_parser().parse_args(["ask", "doc.txt", "-q", "Q?", "--template", "extractive"])
     assert method_config(asked).template == "extractive"
 

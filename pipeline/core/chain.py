@@ -127,8 +127,11 @@ class MemoryChain:
         if self.done:
             raise RuntimeError(f"chain {self.chain_id} is already answered")
         if self.step < len(self.segments):
-            budget_chars = self.config.max_memory_tokens * CHARS_PER_TOKEN
-            update = self.config.templates.next_memory(
+            templates = self.config.templates
+            budget_chars = (
+                self.config.max_memory_tokens * templates.memory_holds_replies * CHARS_PER_TOKEN
+            )
+            update = templates.next_memory(
                 self.memory, strip_thinking(reply), self.segments[self.step].text, budget_chars
             )
             self.memory, self.rejected = update.memory, update.rejected

@@ -6,10 +6,16 @@ up in the section, and only what is found there enters the memory, as the sectio
 The memory then cannot hold a sentence the document does not.
 
 A line is found when, after folding case and runs of whitespace, it is a substring of the
-section, or `rapidfuzz.fuzz.partial_ratio_alignment` scores it at least `QUOTE_MIN_SCORE`
-against the section (a dropped comma, a changed quote mark, a word's ending). The memory keeps
-the aligned span of the section, widened to whole words, so what it stores is verbatim: a
-near-copy with one word changed ("Virginia" for "Vermont") is stored as the section has it.
+section, or, when it has at least `QUOTE_MIN_WORDS` words, `rapidfuzz.fuzz.partial_ratio_alignment`
+scores it at least `QUOTE_MIN_SCORE` against the section (a dropped comma, a changed quote mark, a
+word's ending). What enters the memory is the section's own text around the match, widened to the
+enclosing sentence or line (at most `CONTEXT_CHARS` either side), so a copied fragment
+("processor ZephyrPay timed out") keeps its context (the whole log line) and what the memory
+stores is verbatim: a near-copy with one word changed ("Virginia" for "Vermont") is stored as the
+section has it. A fragment that occurs more than once in the section ("disk usage on") is kept as
+the fragment alone, since which of its sentences the model meant is unknown. Lines shorter than
+`QUOTE_MIN_CHARS` are too common to locate and are rejected with the lines not found; a NONE
+reply adds nothing.
 """
 
 from __future__ import annotations
@@ -22,14 +28,19 @@ from rapidfuzz import fuzz
 # 90 allows a few changed characters in a 60-character sentence; a sentence the model wrote
 # itself, even about the same fact, scores far lower.
 QUOTE_MIN_SCORE = 90.0
-# A quote shorter than this many words is too common to prove anything ("the Agreement").
+# Fuzzy matching needs this many words: a short line that is not found exactly is not a quote.
 QUOTE_MIN_WORDS = 4
+# A line shorter than this is too common to say where it came from ("the Agreement").
+QUOTE_MIN_CHARS = 12
+# How far a quote is widened to reach the start and end of its sentence or line.
+CONTEXT_CHARS = 300
 # The reply that means "nothing helps".
 NOTHING_FOUND = "NONE"
 
 _BULLET = re.compile(r"^\s*(?:[-*\u2022>]+|\d+[.)])\s*")
 _WRAPPING_QUOTES = "\"'\u201c\u201d\u2018\u2019`"
 _SPACE = re.compile(r"\s+")
+_SENTENCE_ENDS = ("\n", ". ", "? ", "! ")
 
 
 @dataclass(frozen=True)
@@ -41,22 +52,27 @@ class QuoteCheck:
 
 
 def check_quotes(reply: str, section: str) -> QuoteCheck:
-    """Each line of `reply` that is a quote of `section`, as the section's own text; the rest
-    (lines too short to count are neither kept nor rejected; a NONE reply is empty)."""
+    """Each line of `reply` found in `section`, as the section's sentence or line that holds it,
+    and the lines not found (a NONE reply is neither)."""
     folded, offsets = _fold_with_offsets(section)
     kept: list[str] = []
     rejected: list[str] = []
     for line in reply.splitlines():
         candidate = _BULLET.sub("", line).strip().strip(_WRAPPING_QUOTES).strip()
-        if candidate.upper().startswith(NOTHING_FOUND) and len(candidate.split()) <= 2:
+        if not candidate or (
+            candidate.upper().startswith(NOTHING_FOUND) and len(candidate.split()) <= 2
+        ):
             continue
-        if len(candidate.split()) < QUOTE_MIN_WORDS:
-            continue
-        span = _locate(_SPACE.sub(" ", candidate.lower()), folded)
+        needle = _SPACE.sub(" ", candidate.lower()).rstrip(".,;:")
+        span = _locate(needle, folded) if len(needle) >= QUOTE_MIN_CHARS else None
         if span is None:
             rejected.append(line.strip())
             continue
-        quote = _widen_to_words(section, offsets[span[0]], offsets[span[1] - 1] + 1)
+        start, end = offsets[span[0]], offsets[span[1] - 1] + 1
+        if folded.find(needle, span[0] + 1) >= 0:  # it occurs again: whose sentence is unknown
+            quote = _enclosing_words(section, start, end)
+        else:
+            quote = _enclosing_sentence(section, start, end)
         if quote not in kept:
             kept.append(quote)
     return QuoteCheck(tuple(kept), tuple(rejected))
@@ -64,11 +80,10 @@ def check_quotes(reply: str, section: str) -> QuoteCheck:
 
 def _locate(needle: str, folded: str) -> tuple[int, int] | None:
     """The span of `folded` that `needle` matches, exactly or fuzzily; None when absent."""
-    needle = needle.rstrip(".,;:")
     start = folded.find(needle)
     if start >= 0:
         return start, start + len(needle)
-    if len(needle) > len(folded):
+    if len(needle) > len(folded) or len(needle.split()) < QUOTE_MIN_WORDS:
         return None
     alignment = fuzz.partial_ratio_alignment(needle, folded, score_cutoff=QUOTE_MIN_SCORE)
     if alignment is None or alignment.dest_end <= alignment.dest_start:
@@ -107,9 +122,30 @@ def _fold_with_offsets(text: str) -> tuple[str, list[int]]:
     return "".join(folded), offsets
 
 
-def _widen_to_words(text: str, start: int, end: int) -> str:
+def _enclosing_sentence(text: str, start: int, end: int) -> str:
+    """`text[start:end]` widened back to the start of its sentence or line and on to its end,
+    each by at most `CONTEXT_CHARS`, and always to whole words."""
+    floor = max(0, start - CONTEXT_CHARS)
+    begins = [0] if floor == 0 else []
+    begins += [
+        found + len(mark)
+        for mark in _SENTENCE_ENDS
+        if (found := text.rfind(mark, floor, start)) >= 0
+    ]
+    begin = max(begins, default=start)
+    ceiling = min(len(text), end + CONTEXT_CHARS)
+    finishes = [len(text)] if ceiling == len(text) else []
+    finishes += [
+        found + len(mark.rstrip())
+        for mark in _SENTENCE_ENDS
+        if (found := text.find(mark, end - 1, ceiling)) >= 0
+    ]
+    return _enclosing_words(text, begin, min(finishes, default=end))
+
+
+def _enclosing_words(text: str, start: int, end: int) -> str:
     while start > 0 and not text[start - 1].isspace():
         start -= 1
-    while end < len(text) and not text[end].isspace():
+    while 0 < end < len(text) and not text[end - 1].isspace() and not text[end].isspace():
         end += 1
     return _SPACE.sub(" ", text[start:end]).strip()

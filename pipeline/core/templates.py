@@ -69,6 +69,9 @@ class TemplateSet:
     final: str
     initial_memory: str = INITIAL_MEMORY
     memory_policy: str = "overwrite"
+    # How many updates' replies the memory can hold: an overwritten memory is one reply; an
+    # appended one gathers several, so its budget is that many times the reply's.
+    memory_holds_replies: int = 1
 
     def __post_init__(self) -> None:
         if self.memory_policy not in MEMORY_POLICIES:
@@ -224,6 +227,7 @@ VERIFIED_QUOTES = TemplateSet(
     update=QUOTES_UPDATE,
     final=QUOTES_FINAL,
     memory_policy="quotes",
+    memory_holds_replies=4,
 )
 
 TEMPLATE_SETS: dict[str, TemplateSet] = {
