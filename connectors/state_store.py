@@ -430,16 +430,8 @@ class StateStore:
     def record_grounding(
         self, chain_key: str, grounded: bool, reason: str, evidence: Sequence[Mapping[str, Any]]
     ) -> None:
-        row = {
-            "chain_key": chain_key,
-            "grounded": grounded,
-            "reason": reason,
-            "evidence": json.dumps(list(evidence), ensure_ascii=False),
-            "created_at": time.time(),
-        }
         with self._transaction() as connection:
-            _upsert(connection, groundings, row, keys=["chain_key"],
-                    update=["grounded", "reason", "evidence", "created_at"])  # fmt: skip
+            write_grounding(connection, chain_key, grounded, reason, evidence)
 
     # --- reading a run back (export) ------------------------------------------------------
 
@@ -660,7 +652,8 @@ def open_store_engine(
     return engine
 
 
-CHECKPOINT_TABLES = (chains, steps)
+# What a chain's checkpoints and its answer's evidence are kept in, wherever the chain runs.
+CHECKPOINT_TABLES = (chains, steps, rejected_quotes, groundings)
 
 
 def pending_chain_row(
@@ -734,6 +727,25 @@ def write_step(connection: Connection, checkpoint: StepCheckpoint) -> None:
         row = {"chain_key": checkpoint.chain_key, "step": checkpoint.record.step,
                "quotes": json.dumps(list(dropped), ensure_ascii=False)}  # fmt: skip
         _upsert(connection, rejected_quotes, row, keys=["chain_key", "step"], update=["quotes"])
+
+
+def write_grounding(
+    connection: Connection,
+    chain_key: str,
+    grounded: bool,
+    reason: str,
+    evidence: Sequence[Mapping[str, Any]],
+) -> None:
+    """Records where a chain's answer was found in the source, inside the caller's transaction."""
+    row = {
+        "chain_key": chain_key,
+        "grounded": grounded,
+        "reason": reason,
+        "evidence": json.dumps(list(evidence), ensure_ascii=False),
+        "created_at": time.time(),
+    }
+    _upsert(connection, groundings, row, keys=["chain_key"],
+            update=["grounded", "reason", "evidence", "created_at"])  # fmt: skip
 
 
 def write_failure(connection: Connection, chain_key: str, error: str) -> None:

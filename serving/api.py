@@ -18,10 +18,12 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pipeline.report import content_security_policy
 
 from .answering import SyncAnswerer
 from .config import LimitsConfig
@@ -29,6 +31,7 @@ from .documents import DocumentLoader, InputError, RequestReader
 from .engine import ServeEngineClient
 from .jobs import JobWorker
 from .metrics import CONTENT_TYPE, ServingMetrics
+from .reporting import job_report
 from .schemas import (
     ERROR_RESPONSES,
     Answer,
@@ -286,6 +289,21 @@ def build_api(services: ApiServices) -> FastAPI:
         )
 
     @app.get(
+        "/v1/jobs/{job_id}/report",
+        tags=["jobs"],
+        dependencies=authorized,
+        response_class=HTMLResponse,
+        responses={200: {"content": {"text/html": {}}}, 404: {"description": "no such job"}},
+    )
+    async def job_report_page(job_id: str) -> HTMLResponse:
+        """The job's audit report: answers with their evidence and grounded marks, and the
+        memory after every segment (the page of `memstream report`); works while it runs."""
+        job = await find_job(store, job_id)
+        trajectory = await asyncio.to_thread(store.trajectory, job)
+        page = await asyncio.to_thread(job_report, job, trajectory, services.model)
+        return HTMLResponse(page, headers={"Content-Security-Policy": content_security_policy()})
+
+    @app.get(
         "/v1/jobs/{job_id}/events",
         tags=["jobs"],
         dependencies=authorized,
@@ -373,7 +391,12 @@ async def find_job(store: JobStore, job_id: str) -> JobState:
 
 def job_links(job_id: str) -> dict[str, str]:
     base = f"/v1/jobs/{job_id}"
-    return {"self": base, "result": f"{base}/result", "events": f"{base}/events"}
+    return {
+        "self": base,
+        "result": f"{base}/result",
+        "events": f"{base}/events",
+        "report": f"{base}/report",
+    }
 
 
 def status_of(job: JobState) -> JobStatus:

@@ -18,10 +18,11 @@ import time
 import uuid
 
 from connectors.state_store import StepCheckpoint
+from pipeline.ask import PreparedDocument
 from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
 from pipeline.engines.base import Completion, Engine, GenerationRequest
-from pipeline.runner import ChainRunner, StepRecord
+from pipeline.runner import ChainResult, ChainRunner, StepRecord
 
 from .answering import DocumentPreparer, document_info
 from .config import JobsConfig
@@ -189,7 +190,9 @@ class JobRun:
         errors = []
         for result in results:
             self.worker.metrics.observe_answer("job", result.status)
-            if result.status != "ok":
+            if result.status == "ok":
+                await self._ground(indexes[result.chain_id], prepared, result)
+            else:
                 errors.append(f"{result.question!r}: {result.error}")
                 await asyncio.to_thread(
                     self.store.fail_chain,
@@ -238,6 +241,16 @@ class JobRun:
         if planned is None:
             return None
         return planned.chains, loaded.parsed.text
+
+    async def _ground(self, index: int, prepared: PreparedDocument, result: ChainResult) -> None:
+        """Finds the answer's evidence and records it; a failure costs the evidence only."""
+        try:
+            grounding = await asyncio.to_thread(prepared.grounding, result)
+            await asyncio.to_thread(
+                self.store.record_grounding, self.job.job_id, self.owner, index, grounding
+            )
+        except Exception:
+            logger.exception("cannot find the evidence of job %s chain %d", self.job.job_id, index)
 
     async def _checkpoint(self, index: int, chain: MemoryChain, record: StepRecord) -> None:
         self.worker.metrics.observe_step(record)

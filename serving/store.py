@@ -57,12 +57,17 @@ from connectors.state_store import (
     StepCheckpoint,
     chains,
     first_line,
+    groundings,
     open_store_engine,
     parse_store_url,
     pending_chain_row,
+    rejected_quotes,
+    steps,
     write_failure,
+    write_grounding,
     write_step,
 )
+from pipeline.core.evidence import Grounding
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
     "queued",
@@ -165,6 +170,9 @@ class ChainState:
     prompt_tokens: int
     completion_tokens: int
     compute_s: float
+    grounded: bool | None = None  # None until the answer's evidence is looked up
+    grounding_reason: str | None = None
+    evidence: tuple[dict[str, Any], ...] = ()
 
     @property
     def segments_done(self) -> int:
@@ -186,6 +194,9 @@ class ChainState:
             "completion_tokens": self.completion_tokens,
             "compute_s": round(self.compute_s, 3),
             "error": self.error,
+            "grounded": self.grounded,
+            "grounding_reason": self.grounding_reason,
+            "evidence": list(self.evidence),
         }
 
 
@@ -447,6 +458,48 @@ class JobStore:
             write_failure(connection, chain_key(job_id, chain_index), error)
         return True
 
+    def trajectory(self, job: JobState) -> list[dict[str, Any]]:
+        """Every model call of the job's chains, in order, as rows of a run's trajectory table."""
+        keys = {state.chain_key: state.chain_index for state in job.chains}
+        query = (
+            select(steps, rejected_quotes.c.quotes)
+            .select_from(
+                steps.outerjoin(
+                    rejected_quotes,
+                    and_(
+                        rejected_quotes.c.chain_key == steps.c.chain_key,
+                        rejected_quotes.c.step == steps.c.step,
+                    ),
+                )
+            )
+            .where(steps.c.chain_key.in_(list(keys)))
+            .order_by(steps.c.chain_key, steps.c.step)
+        )
+        with self._read() as connection:
+            rows = connection.execute(query).mappings().all()
+        return [
+            {
+                **row,
+                "run_id": job.job_id,
+                "source_uri": job.source,
+                "question_id": f"q{keys[row['chain_key']]}",
+                "rejected_quotes": json.loads(row["quotes"] or "[]"),
+            }
+            for row in rows
+        ]
+
+    def record_grounding(
+        self, job_id: str, owner: str, chain_index: int, grounding: Grounding
+    ) -> bool:
+        """Records where chain `chain_index`'s answer is found in the job's document."""
+        evidence = [item.as_dict() for item in grounding.evidence]
+        with self._write() as connection:
+            if not self._still_held(connection, owner, job_id):
+                return False
+            key = chain_key(job_id, chain_index)
+            write_grounding(connection, key, grounding.grounded, grounding.reason, evidence)
+        return True
+
     def finish(self, job_id: str, owner: str, status: str, error: str | None = None) -> bool:
         """Ends a job the owner holds as succeeded or failed, with its `end` event."""
         with self._write() as connection:
@@ -541,9 +594,14 @@ def _chain_states(connection: Connection, job_id: str, n_questions: int) -> tupl
     """The job's chains in question order; none before its document is read."""
     keys = [chain_key(job_id, index) for index in range(n_questions)]
     rows = connection.execute(
-        select(*(chains.c[name] for name in (*CHAIN_COLUMNS, "status"))).where(
-            chains.c.chain_key.in_(keys)
+        select(
+            *(chains.c[name] for name in (*CHAIN_COLUMNS, "status")),
+            groundings.c.grounded,
+            groundings.c.reason,
+            groundings.c.evidence,
         )
+        .select_from(chains.outerjoin(groundings, groundings.c.chain_key == chains.c.chain_key))
+        .where(chains.c.chain_key.in_(keys))
     ).mappings()
     by_key = {row["chain_key"]: row for row in rows}
     return tuple(
@@ -551,6 +609,9 @@ def _chain_states(connection: Connection, job_id: str, n_questions: int) -> tupl
             chain_index=index,
             status=ANSWER_STATUS.get(by_key[key]["status"], "pending"),
             **{name: by_key[key][name] for name in CHAIN_COLUMNS},
+            grounded=None if by_key[key]["grounded"] is None else bool(by_key[key]["grounded"]),
+            grounding_reason=by_key[key]["reason"],
+            evidence=tuple(json.loads(by_key[key]["evidence"] or "[]")),
         )
         for index, key in enumerate(keys)
         if key in by_key

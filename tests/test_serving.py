@@ -10,6 +10,7 @@ the last one restarts it in the middle of a job.
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import os
 import shutil
@@ -27,9 +28,11 @@ import pytest
 import yaml
 
 from connectors.state_store import StepCheckpoint
+from pipeline.core.evidence import Evidence, Grounding
 from pipeline.runner import StepRecord
 from serving.config import ServingConfig, ServingConfigError, config_from_mapping, load_config
 from serving.process import ServerNotReady, ServerProcess, free_port, http_ok
+from serving.reporting import job_report
 from serving.security import ApiKeys, bearer_token
 from serving.store import JobConflict, JobStore, NewJob, chain_key
 from serving.uris import UriPolicy, UriRefused, redact_uri
@@ -178,6 +181,20 @@ def test_job_store_leases_checkpoints_and_events(
     step = StepCheckpoint(record, 1, "memory one", done=False, answer=None, raw_response=None)
     assert store.checkpoint(job_id, "replica-1", 0, step)
     assert not store.checkpoint(job_id, "replica-2", 0, step)  # only the lease holder writes
+    evidence = Evidence(0, None, 0, 5, "hello", 100.0, "answer")
+    grounding = Grounding((evidence,), grounded=True, reason="Found in segment 0.")
+    assert store.record_grounding(job_id, "replica-1", 0, grounding)
+    assert not store.record_grounding(job_id, "replica-2", 0, grounding)
+    state = store.get_job(job_id)
+    assert state is not None
+    assert state.chains[0].answer_record()["evidence"] == [evidence.as_dict()]
+    assert (state.chains[0].grounded, state.chains[1].grounded) == (True, None)
+    trajectory = store.trajectory(state)
+    assert [(row["question_id"], row["step"], row["memory_after"]) for row in trajectory] == [
+        ("q0", 0, "memory one")
+    ]
+    page = job_report(state, trajectory, "a-model")
+    assert "memory one" in page and "grounded" in page and "Found in segment 0." in page
     store.release("replica-1", [job_id])  # e.g. a graceful shutdown
     assert job_id in store.claim("replica-2", 30, 100)
     resumed = store.load_input(job_id)
@@ -332,6 +349,7 @@ def test_missing_or_invalid_key_is_refused(app: ServeApp, authorization: str | N
         ("POST", "/v1/answer"),
         ("POST", "/v1/jobs"),
         ("GET", f"/v1/jobs/{'0' * 32}"),
+        ("GET", f"/v1/jobs/{'0' * 32}/report"),
     ]:
         response = httpx.request(
             method, f"{app.url}{path}", json={"text": "x", "questions": ["q"]}, headers=headers
@@ -403,6 +421,16 @@ def test_job_lifecycle_with_progress_events_and_result(app: ServeApp) -> None:
         assert answer["answer"] == final["answer"]
     last_memory = {e["question_index"]: e["memory"] for e in memory_events}
     assert [answer["final_memory"] for answer in answers] == [last_memory[0], last_memory[1]]
+    for answer in answers:  # every answered chain's evidence was looked up
+        assert isinstance(answer["grounded"], bool) and answer["grounding_reason"]
+        for item in answer["evidence"]:
+            assert item["quote"] and item["char_end"] > item["char_start"]
+    with app.client() as client:
+        report = client.get(f"/v1/jobs/{job_id}/report")
+    assert report.status_code == 200, report.text
+    assert "default-src 'none'" in report.headers["content-security-policy"]
+    assert all(html.escape(question) in report.text for question in questions)
+    assert httpx.get(f"{app.url}/v1/jobs/{job_id}/report").status_code == 401  # the job's key
 
 
 @pytest.mark.engine
