@@ -16,13 +16,15 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Sequence
 
 from connectors.state_store import StepCheckpoint
-from pipeline.ask import PreparedDocument
 from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
+from pipeline.core.evidence import find_evidence
+from pipeline.core.segmentation import Segment
 from pipeline.engines.base import Completion, Engine, GenerationRequest
-from pipeline.runner import ChainResult, ChainRunner, StepRecord
+from pipeline.runner import ChainRunner, StepRecord
 
 from .answering import DocumentPreparer, document_info
 from .config import JobsConfig
@@ -149,6 +151,7 @@ class JobRun:
         self.owner = worker.owner
         self.job = job
         self.method = MethodConfig(**job.method)
+        self.segments: Sequence[Segment] = ()  # the document's, once it is read
 
     async def run(self) -> None:
         job = self.job
@@ -160,9 +163,12 @@ class JobRun:
         else:
             states, text = job.chains, job.text
         prepared = await self.worker.preparer.prepare(job.job_id, text, job.questions, self.method)
+        self.segments = prepared.segments
         indexes: dict[str, int] = {}
         chains = []
         for state in states:
+            if state.status == "ok" and state.grounded is None:  # answered before an interruption
+                await self._ground(state.chain_index, state.question, state.answer, state.memory)
             if state.done:
                 continue
             chain = MemoryChain(
@@ -190,9 +196,7 @@ class JobRun:
         errors = []
         for result in results:
             self.worker.metrics.observe_answer("job", result.status)
-            if result.status == "ok":
-                await self._ground(indexes[result.chain_id], prepared, result)
-            else:
+            if result.status != "ok":
                 errors.append(f"{result.question!r}: {result.error}")
                 await asyncio.to_thread(
                     self.store.fail_chain,
@@ -242,10 +246,14 @@ class JobRun:
             return None
         return planned.chains, loaded.parsed.text
 
-    async def _ground(self, index: int, prepared: PreparedDocument, result: ChainResult) -> None:
-        """Finds the answer's evidence and records it; a failure costs the evidence only."""
+    async def _ground(
+        self, index: int, question: str, answer: str | None, memory: str | None
+    ) -> None:
+        """Finds an answer's evidence and records it; a failure costs the evidence only."""
         try:
-            grounding = await asyncio.to_thread(prepared.grounding, result)
+            grounding = await asyncio.to_thread(
+                find_evidence, question, answer, memory or "", self.segments
+            )
             await asyncio.to_thread(
                 self.store.record_grounding, self.job.job_id, self.owner, index, grounding
             )
@@ -261,6 +269,8 @@ class JobRun:
             # The lease is gone (cancelled, or taken over): stop every chain of this job.
             self.worker.cancel_local(self.job.job_id)
             raise asyncio.CancelledError
+        if chain.done:
+            await self._ground(index, chain.question, chain.answer, chain.memory)
 
 
 class WatchedEngine:

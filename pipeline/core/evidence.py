@@ -44,7 +44,7 @@ from itertools import islice
 
 from rapidfuzz import fuzz
 
-from .extraction import normalize_answer
+from .extraction import STOP_WORDS, normalize_answer
 from .segmentation import Segment
 from .templates import INITIAL_MEMORY
 
@@ -83,18 +83,6 @@ MAX_MEMORY_SENTENCES = 8
 MEMORY_MIN_CHARS = 12
 MAX_QUESTION_TERMS = 8
 
-_STOP_WORDS_TEXT = """
-    a about above after again all also am an and any are as at based be been before being below
-    between both but by can could describe did do does doing done during each either else ever
-    every few for from further get gets give given had has have having he her here hers him his
-    how i if in into is it its itself just let list many may me might more most much must my
-    name named no nor not now of off on once one only or other our ours out over own per please
-    provide provided said same say says she should so some such tell than that the their them
-    then there these they this those through to too under until up upon us very was we were what
-    when where whether which while who whom whose why will with within would yes you your
-    according answer article context document mentioned passage question section stated text
-"""
-STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
 
 _TOKEN = re.compile(r"[^\W_]+")
 _ARTICLES = frozenset({"a", "an", "the"})

@@ -73,3 +73,18 @@ def string_match_all(prediction: str, references: list[str]) -> float:
 def string_match_any(prediction: str, references: list[str]) -> float:
     """RULER scoring for QA tasks: 1 when any reference appears."""
     return float(any(ref.lower() in prediction.lower() for ref in references))
+
+
+# Words that say nothing about where an answer or a quote came from.
+_STOP_WORDS_TEXT = """
+    a about above after again all also am an and any are as at based be been before being below
+    between both but by can could describe did do does doing done during each either else ever
+    every few for from further get gets give given had has have having he her here hers him his
+    how i if in into is it its itself just let list many may me might more most much must my
+    name named no nor not now of off on once one only or other our ours out over own per please
+    provide provided said same say says she should so some such tell than that the their them
+    then there these they this those through to too under until up upon us very was we were what
+    when where whether which while who whom whose why will with within would yes you your
+    according answer article context document mentioned passage question section stated text
+"""
+STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())

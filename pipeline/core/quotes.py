@@ -1,21 +1,27 @@
 """Verified quotes: the lines of a model's reply that really are in the section it read.
 
 The `verified-quotes` memory strategy asks the model to copy the section's helpful sentences
-word for word. Small models paraphrase, merge sentences and invent; so each reply line is looked
-up in the section, and only what is found there enters the memory, as the section's own text.
-The memory then cannot hold a sentence the document does not.
+word for word. Small models paraphrase, shorten and invent; so each reply line is looked up in
+the section, and what enters the memory is always the section's own text, never the model's:
 
-A line is found when, after folding case and runs of whitespace, it is a substring of the
-section, or, when it has at least `QUOTE_MIN_WORDS` words, `rapidfuzz.fuzz.partial_ratio_alignment`
-scores it at least `QUOTE_MIN_SCORE` against the section (a dropped comma, a changed quote mark, a
-word's ending). What enters the memory is the section's own text around the match, widened to the
-enclosing sentence or line (at most `CONTEXT_CHARS` either side), so a copied fragment
-("processor ZephyrPay timed out") keeps its context (the whole log line) and what the memory
-stores is verbatim: a near-copy with one word changed ("Virginia" for "Vermont") is stored as the
-section has it. A fragment that occurs more than once in the section ("disk usage on") is kept as
-the fragment alone, since which of its sentences the model meant is unknown. Lines shorter than
-`QUOTE_MIN_CHARS` are too common to locate and are rejected with the lines not found; a NONE
-reply adds nothing.
+1. Found exactly (case and runs of whitespace folded) once in the section: the sentence or line
+   that holds it, so a copied fragment ("processor ZephyrPay timed out", or "120") keeps its
+   context (the whole log line, the whole clause). Found more than once: the fragment alone,
+   since which of its sentences the model meant is unknown; a fragment shorter than
+   `QUOTE_MIN_CHARS` that recurs says nothing and is rejected.
+2. Found approximately, for lines of `QUOTE_MIN_WORDS` words or more:
+   `rapidfuzz.fuzz.partial_ratio_alignment` at `QUOTE_MIN_SCORE` or more (a dropped comma, a
+   changed quote mark, a word's ending; one changed word, "Virginia" for "Vermont", still
+   matches, and the section's sentence is what is stored).
+3. A paraphrase ("The agreement is governed by the laws of the State of Vermont." for "This
+   Agreement ... shall be governed by the laws of the State of Vermont, ..."): the section's
+   sentence holding the largest share of the line's content words, when that share is at least
+   `PARAPHRASE_MIN_SHARE` of at least `PARAPHRASE_MIN_WORDS` words and it holds every number of
+   the line.
+4. Anything else is rejected: the trajectory lists it. A NONE reply adds nothing.
+
+Sentences and lines are widened from a match to the nearest sentence end or line break, at most
+`CONTEXT_CHARS` either side.
 """
 
 from __future__ import annotations
@@ -25,13 +31,18 @@ from dataclasses import dataclass
 
 from rapidfuzz import fuzz
 
+from .extraction import STOP_WORDS
+
 # 90 allows a few changed characters in a 60-character sentence; a sentence the model wrote
 # itself, even about the same fact, scores far lower.
 QUOTE_MIN_SCORE = 90.0
 # Fuzzy matching needs this many words: a short line that is not found exactly is not a quote.
 QUOTE_MIN_WORDS = 4
-# A line shorter than this is too common to say where it came from ("the Agreement").
+# A fragment shorter than this that recurs in the section is too common to say where it came from.
 QUOTE_MIN_CHARS = 12
+# A paraphrase is anchored to the sentence holding this share of its content words, or more.
+PARAPHRASE_MIN_SHARE = 0.75
+PARAPHRASE_MIN_WORDS = 3
 # How far a quote is widened to reach the start and end of its sentence or line.
 CONTEXT_CHARS = 300
 # The reply that means "nothing helps".
@@ -40,7 +51,11 @@ NOTHING_FOUND = "NONE"
 _BULLET = re.compile(r"^\s*(?:[-*\u2022>]+|\d+[.)])\s*")
 _WRAPPING_QUOTES = "\"'\u201c\u201d\u2018\u2019`"
 _SPACE = re.compile(r"\s+")
-_SENTENCE_ENDS = ("\n", ". ", "? ", "! ")
+# Where a sentence or a record ends: after . ? ! and a space; at a line break after . ? ! ; :
+# or before a line that starts a record (a digit, a bullet, a heading, a table row) or is blank.
+# A line break inside running text (a wrapped PDF line) is not one.
+_BOUNDARY = re.compile(r"(?<=[.?!])[ \t]+|(?<=[.?!;:])[ \t]*\n|\n(?=[ \t]*[\n\d#*|\u2022-])")
+_WORD = re.compile(r"[^\W_]+(?:[-.][^\W_]+)*")
 
 
 @dataclass(frozen=True)
@@ -52,9 +67,10 @@ class QuoteCheck:
 
 
 def check_quotes(reply: str, section: str) -> QuoteCheck:
-    """Each line of `reply` found in `section`, as the section's sentence or line that holds it,
-    and the lines not found (a NONE reply is neither)."""
+    """The section's sentences (or fragments) that the lines of `reply` quote or paraphrase,
+    and the lines that are neither (a NONE reply is neither)."""
     folded, offsets = _fold_with_offsets(section)
+    sentences: list[tuple[str, frozenset[str]]] | None = None  # built on the first paraphrase
     kept: list[str] = []
     rejected: list[str] = []
     for line in reply.splitlines():
@@ -64,22 +80,57 @@ def check_quotes(reply: str, section: str) -> QuoteCheck:
         ):
             continue
         needle = _SPACE.sub(" ", candidate.lower()).rstrip(".,;:")
-        span = _locate(needle, folded) if len(needle) >= QUOTE_MIN_CHARS else None
-        if span is None:
-            rejected.append(line.strip())
-            continue
-        start, end = offsets[span[0]], offsets[span[1] - 1] + 1
-        if folded.find(needle, span[0] + 1) >= 0:  # it occurs again: whose sentence is unknown
-            quote = _enclosing_words(section, start, end)
+        quote = None
+        if span := _locate(needle, folded):
+            start, end = offsets[span[0]], offsets[span[1] - 1] + 1
+            if folded.find(needle, span[0] + 1) < 0:
+                quote = _enclosing_sentence(section, start, end)
+            elif len(needle) >= QUOTE_MIN_CHARS:  # it recurs: whose sentence is unknown
+                quote = _enclosing_words(section, start, end)
         else:
-            quote = _enclosing_sentence(section, start, end)
-        if quote not in kept:
+            if sentences is None:
+                sentences = [
+                    (text, frozenset(_content_words(text))) for text in _sentences(section)
+                ]
+            quote = _paraphrased(candidate, sentences)
+        if quote is None:
+            rejected.append(line.strip())
+        elif quote not in kept:
             kept.append(quote)
     return QuoteCheck(tuple(kept), tuple(rejected))
 
 
+def _paraphrased(line: str, sentences: list[tuple[str, frozenset[str]]]) -> str | None:
+    """The sentence holding the largest share of `line`'s content words and all its numbers."""
+    words = set(_content_words(line))
+    if len(words) < PARAPHRASE_MIN_WORDS:
+        return None
+    numbers = {word for word in words if any(char.isdigit() for char in word)}
+    best, best_share = None, PARAPHRASE_MIN_SHARE
+    for text, sentence_words in sentences:
+        share = len(words & sentence_words) / len(words)
+        if (
+            share >= best_share
+            and numbers <= sentence_words
+            and (best is None or share > best_share)
+        ):
+            best, best_share = text, share
+    return best
+
+
+def _content_words(text: str) -> list[str]:
+    return [word for word in _WORD.findall(text.lower()) if word not in STOP_WORDS]
+
+
+def _sentences(text: str) -> list[str]:
+    pieces = (_SPACE.sub(" ", piece).strip() for piece in _BOUNDARY.split(text))
+    return [piece for piece in pieces if piece]
+
+
 def _locate(needle: str, folded: str) -> tuple[int, int] | None:
     """The span of `folded` that `needle` matches, exactly or fuzzily; None when absent."""
+    if not needle:
+        return None
     start = folded.find(needle)
     if start >= 0:
         return start, start + len(needle)
@@ -126,21 +177,12 @@ def _enclosing_sentence(text: str, start: int, end: int) -> str:
     """`text[start:end]` widened back to the start of its sentence or line and on to its end,
     each by at most `CONTEXT_CHARS`, and always to whole words."""
     floor = max(0, start - CONTEXT_CHARS)
-    begins = [0] if floor == 0 else []
-    begins += [
-        found + len(mark)
-        for mark in _SENTENCE_ENDS
-        if (found := text.rfind(mark, floor, start)) >= 0
-    ]
-    begin = max(begins, default=start)
+    begins = [match.end() for match in _BOUNDARY.finditer(text, floor, start)]
+    begin = begins[-1] if begins else 0 if floor == 0 else start
     ceiling = min(len(text), end + CONTEXT_CHARS)
-    finishes = [len(text)] if ceiling == len(text) else []
-    finishes += [
-        found + len(mark.rstrip())
-        for mark in _SENTENCE_ENDS
-        if (found := text.find(mark, end - 1, ceiling)) >= 0
-    ]
-    return _enclosing_words(text, begin, min(finishes, default=end))
+    finish = _BOUNDARY.search(text, max(start, end - 1), ceiling)
+    stop = finish.start() if finish else len(text) if ceiling == len(text) else end
+    return _enclosing_words(text, begin, stop)
 
 
 def _enclosing_words(text: str, start: int, end: int) -> str:
