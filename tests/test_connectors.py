@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -29,9 +29,8 @@ from connectors import (
     open_output,
     open_source,
 )
-
-if TYPE_CHECKING:
-    from tests.services import S3Server
+from serving.process import free_port
+from tests.services import S3Server, require_credential_checks
 
 # conftest.py registers the same plugin; naming it here too lets this file run on its own.
 pytest_plugins = ["tests.services"]
@@ -185,8 +184,7 @@ def test_s3_missing_bucket_or_prefix_fails_early(s3_server: S3Server, bucket: st
 def test_s3_wrong_credentials_fail_early_without_the_secret(
     s3_server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not s3_server.checks_credentials:
-        pytest.skip(f"{s3_server.kind} accepts any credentials")
+    require_credential_checks(s3_server)
     s3_server.client().put_object(Bucket=bucket, Key="a.txt", Body=b"a")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
     source = S3Source(f"s3://{bucket}/", endpoint_url=s3_server.endpoint_url)
@@ -269,9 +267,13 @@ def test_sql_streams_rows_with_text_blob_metadata_and_questions(database: str) -
     assert items[2].questions == ("What is document 3?",)
     assert items[1].questions == ()
     assert items[3].metadata == {"author": "author 0", "published": "2024-01-04"}
-    assert items[4].uri.endswith("#5")
-    password = sa.engine.make_url(database).password
-    assert not password or all(password not in item.uri for item in items)
+    # an item's URI names the database and the row, never the user or the password
+    url = sa.engine.make_url(database)
+    without_user = sa.engine.URL.create(
+        url.drivername, host=url.host, port=url.port, database=url.database
+    )
+    expected_uris = [f"{without_user.render_as_string()}#{row['id']}" for row in rows]
+    assert [item.uri for item in items] == expected_uris
     shipped = pickle.loads(pickle.dumps(source))
     assert [item.text for item in shipped.items()] == [row["body"] for row in rows]
 
@@ -282,16 +284,28 @@ def test_sql_default_names_from_ids(database: str) -> None:
 
 
 def test_sql_bad_query_and_missing_column_fail_early_without_password(database: str) -> None:
-    password = sa.engine.make_url(database).password
+    shown = sa.engine.make_url(database).render_as_string(hide_password=True)
     with pytest.raises(SourceError, match="SQL source") as raised:
         SqlSource(database, "SELECT id, body FROM no_such_table").check()
     message = str(raised.value)
+    assert message.startswith(f"SQL source {shown}: ")
     assert "no_such_table" in message and "\n" not in message
-    assert not password or password not in message
     with pytest.raises(SourceError, match="no column text"):
         SqlSource(database, "SELECT id, body FROM docs").check()
-    source = SqlSource(database, "SELECT id, body AS text FROM docs")
-    assert not password or (password not in repr(source) and "***" in repr(source))
+    query = "SELECT id, body AS text FROM docs"
+    assert repr(SqlSource(database, query)) == f"SqlSource({shown!r}, {query!r})"
+
+
+def test_sql_password_never_shows_in_repr_or_errors() -> None:
+    password, port = "pw-" + uuid.uuid4().hex, free_port()  # nothing listens on the port
+    source = SqlSource(f"postgresql://reader:{password}@127.0.0.1:{port}/docs", "SELECT 1")
+    shown = f"postgresql+psycopg://reader:***@127.0.0.1:{port}/docs"
+    assert repr(source) == f"SqlSource({shown!r}, 'SELECT 1')"
+    for attempt in (source.check, lambda: list(source.items())):
+        with pytest.raises(SourceError, match="Connection refused") as raised:
+            attempt()
+        assert str(raised.value).startswith(f"SQL source {shown}: ")
+        assert password not in str(raised.value)
 
 
 @pytest.mark.server
@@ -467,8 +481,7 @@ def test_open_output_s3(s3_server: S3Server, bucket: str) -> None:
 def test_open_output_s3_wrong_credentials(
     s3_server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not s3_server.checks_credentials:
-        pytest.skip(f"{s3_server.kind} accepts any credentials")
+    require_credential_checks(s3_server)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
     filesystem, base = open_output(f"s3://{bucket}/out", s3_server.endpoint_url)
     with pytest.raises(OutputError, match="credentials") as raised:

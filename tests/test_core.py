@@ -301,10 +301,32 @@ def test_quotes_are_kept_as_the_sections_own_sentences_and_inventions_are_reject
     assert check.rejected == (
         "Here are the sentences:",
         "2. The parties agree that Virginia law applies to all disputes.",
-        "Vermont",  # too short to say where it came from
     )
     assert check_quotes("NONE", CONTRACT_SECTION) == check_quotes("", CONTRACT_SECTION)
     assert check_quotes("NONE", CONTRACT_SECTION).kept == ()
+
+
+def test_a_paraphrase_or_a_lone_figure_brings_the_sentence_it_came_from() -> None:
+    section = CONTRACT_SECTION + (
+        "13. TERM. Either party may terminate this Agreement for convenience upon one hundred\n"
+        "twenty (120) days' prior written notice to the other party.\n"
+    )
+    notice = (
+        "Either party may terminate this Agreement for convenience upon one hundred twenty "
+        "(120) days' prior written notice to the other party."
+    )
+    check = check_quotes(
+        "The agreement is governed by the laws of the State of Vermont.\n"
+        "120\n"
+        "The agreement may be terminated upon 90 days' notice.\n"  # a figure it does not hold
+        "Notices are governed by the party.\n",  # too few of its words in any one sentence
+        section,
+    )
+    assert check.kept == (GOVERNING_LAW, notice)
+    assert check.rejected == (
+        "The agreement may be terminated upon 90 days' notice.",
+        "Notices are governed by the party.",
+    )
 
 
 def test_a_copied_fragment_brings_its_whole_log_line() -> None:
@@ -314,7 +336,7 @@ def test_a_copied_fragment_brings_its_whole_log_line() -> None:
         "02:17:12Z INFO payments-api GC pause 3 ms"
     )
     check = check_quotes(
-        "processor ZephyrPay timed out\nGC pause 3 ms\nAcquira responded\nINFO payments-api",
+        "processor ZephyrPay timed out\nGC pause 3 ms\nAcquira responded\nINFO payments-api\nINFO",
         log,
     )
     assert check.kept == (
@@ -323,7 +345,7 @@ def test_a_copied_fragment_brings_its_whole_log_line() -> None:
         "02:17:06Z INFO payments-api processor Acquira responded in 24 ms",
         "INFO payments-api",  # in two lines: which one the model meant is unknown
     )
-    assert check.rejected == ()
+    assert check.rejected == ("INFO",)  # short and in every line: it points nowhere
 
 
 def test_verified_quotes_chain_keeps_only_what_the_sections_hold() -> None:

@@ -42,8 +42,6 @@ from connectors.state_store import (
 )
 from operators.parsing import parse_document
 from pipeline.cli import build_parser, main, method_config
-from pipeline.config import default_template
-from pipeline.engines.factory import DEFAULT_MODEL
 from pipeline.job import JobError, JobSpec, derive_run_id, load_job_spec, plan_job, run_job
 from pipeline.outputs import ResultWriter, RunIdentity
 from pipeline.run_command import spec_from_arguments
@@ -65,6 +63,12 @@ ENGINE = {
 }
 METHOD = {"chunk_size": 512, "max_memory_tokens": 24, "max_answer_tokens": 24}
 QUESTION = "What is this document about?"
+# The template a model runs when none is named, written out rather than read from pipeline.config
+# so that a changed default fails here.
+MEASURED_DEFAULT_TEMPLATES = {
+    "qwen2.5-coder-0.5b-instruct": "verified-quotes",
+    "smollm2-135m-instruct": "segment-first",
+}
 # Ray runs its workers at nice 15: on a shared machine the engine would starve behind anything
 # else that runs, and the tests' timeouts would measure the neighbours.
 WORKER_NICENESS = ("RAY_worker_niceness", "0")
@@ -124,7 +128,7 @@ def test_template_defaults_to_the_models_best_measured_and_an_explicit_one_wins(
         return JobSpec.from_dict({"sources": ["a"], "output": "o", **fields})
 
     qwen, rl_memagent = "qwen2.5-coder-0.5b-instruct", "BytedTsinghua-SIA/RL-MemAgent-14B"
-    assert job().method.template == default_template(DEFAULT_MODEL)
+    assert job().engine.model == qwen and job().method.template == "verified-quotes"
     assert job(engine={"model": qwen}).method.template == "verified-quotes"
     assert job(engine={"model": "smollm2-135m-instruct"}).method.template == "segment-first"
     assert job(engine={"model": rl_memagent}).method.template == "memagent-reference"
@@ -133,7 +137,9 @@ def test_template_defaults_to_the_models_best_measured_and_an_explicit_one_wins(
     assert explicit.method.template == "extractive" and explicit.method.chunk_size == 900
     served = config_from_mapping({"engine": {"model": rl_memagent}, "method": {"chunk_size": 900}})
     assert served.method.template == "memagent-reference" and served.method.chunk_size == 900
-    assert load_config(None).method.template == default_template(DEFAULT_MODEL)
+    served_by_default = load_config(None)
+    assert served_by_default.engine.model == qwen
+    assert served_by_default.method.template == "verified-quotes"
     asked = build_parser().parse_args(["ask", "doc.txt", "-q", "Q?", "--model", qwen])
     assert method_config(asked).template == "verified-quotes"
     asked = build_parser().parse_args(["ask", "doc.txt", "-q", "Q?", "--template", "extractive"])
@@ -494,7 +500,8 @@ def test_local_job_answers_every_document_or_says_why(
     recovered = answers[answers.name == "corrupted-zen_of_python.pdf"].iloc[0]
     assert any("recovered" in warning for warning in recovered.parse_warnings)
     assert (answers.model == TEST_MODEL).all()
-    assert (answers.template == default_template(TEST_MODEL)).all()
+    default_template = MEASURED_DEFAULT_TEMPLATES.get(TEST_MODEL, "memagent-reference")
+    assert (answers.template == default_template).all()
     assert answers.timings.map(lambda t: t["compute_s"] > 0).all()
 
     assert_complete_trajectories(answers, trajectory)
@@ -599,9 +606,14 @@ def test_s3_and_sql_in_s3_out_with_a_postgres_state_store(
     with filesystem.open_input_stream(f"{prefix}/manifest.json") as stream:
         manifest = json.loads(stream.read())
     assert manifest["counts"]["documents"] == 4 and manifest["counts"]["chains_done"] == 3
+    # the store holds each step of the run's chains once, and the trajectory shows every one
+    chain_steps = sa.text("SELECT chain_key, step FROM steps WHERE chain_key IN :keys").bindparams(
+        sa.bindparam("keys", expanding=True)
+    )
     with sa.create_engine(postgres_url).connect() as connection:
-        steps = connection.exec_driver_sql("SELECT count(*) FROM steps").scalar_one()
-    assert steps >= len(trajectory)
+        stored = connection.execute(chain_steps, {"keys": sorted(set(answers.chain_key))}).all()
+    exported = zip(trajectory.chain_key, trajectory.step, strict=True)
+    assert sorted(map(tuple, stored)) == sorted((key, int(step)) for key, step in exported)
 
 
 # --- kill -9 in the middle, then a rerun ----------------------------------------------------------

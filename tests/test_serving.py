@@ -26,14 +26,17 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from fastapi import Depends, FastAPI
+from fastapi.testclient import TestClient
 
 from connectors.state_store import StepCheckpoint
 from pipeline.core.evidence import Evidence, Grounding
 from pipeline.runner import StepRecord
+from serving.api import KeyCheck
 from serving.config import ServingConfig, ServingConfigError, config_from_mapping, load_config
 from serving.process import ServerNotReady, ServerProcess, free_port, http_ok
 from serving.reporting import job_report
-from serving.security import ApiKeys, bearer_token
+from serving.security import ApiKeys
 from serving.store import JobConflict, JobStore, NewJob, chain_key
 from serving.uris import UriPolicy, UriRefused, redact_uri
 
@@ -91,8 +94,35 @@ def test_api_keys_are_kept_as_digests_and_checked() -> None:
     assert keys.accepts(API_KEY)
     assert not keys.accepts(API_KEY + "x") and not keys.accepts("") and not keys.accepts(None)
     assert ApiKeys.of([], required=False).accepts(None)
-    assert bearer_token(f"Bearer {API_KEY}") == API_KEY
-    assert bearer_token(f"Basic {API_KEY}") is None
+
+
+@pytest.mark.parametrize(
+    ("authorization", "status"),
+    [
+        (f"Bearer {API_KEY}", 200),
+        (f"bearer {API_KEY}", 200),
+        (None, 401),
+        ("Bearer", 401),
+        (f"Bearer {API_KEY}x", 401),
+        (f"Basic {API_KEY}", 401),
+        (API_KEY, 401),
+    ],
+)
+def test_routes_take_the_key_as_a_bearer_token_only(authorization: str | None, status: int) -> None:
+    """`KeyCheck`, the dependency every keyed route of the API has, on a route of its own."""
+    app = FastAPI()
+    key_check = KeyCheck(ApiKeys.of([API_KEY], required=True))
+
+    @app.get("/keyed", dependencies=[Depends(key_check)])
+    async def keyed() -> dict[str, str]:
+        return {"status": "ok"}
+
+    headers = {} if authorization is None else {"Authorization": authorization}
+    response = TestClient(app).get("/keyed", headers=headers)
+    assert response.status_code == status, response.text
+    if status == 401:
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert API_KEY not in response.text
 
 
 @pytest.mark.parametrize(
