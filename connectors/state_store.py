@@ -403,6 +403,25 @@ class StateStore:
             ).first()
         return None if row is None else Checkpoint(row.status, row.step, row.memory)
 
+    def ungrounded_answer(self, chain_key: str) -> tuple[str | None, str] | None:
+        """(answer, final memory) of an answered chain whose evidence was never recorded (a
+        crash came between the two), else None."""
+        with self._transaction() as connection:
+            row = connection.execute(
+                select(chains.c.answer, chains.c.memory)
+                .select_from(
+                    chains.outerjoin(groundings, groundings.c.chain_key == chains.c.chain_key)
+                )
+                .where(
+                    and_(
+                        chains.c.chain_key == chain_key,
+                        chains.c.status == DONE,
+                        groundings.c.chain_key.is_(None),
+                    )
+                )
+            ).first()
+        return None if row is None else (row.answer, row.memory or "")
+
     def mark_running(self, chain_key: str, run_id: str) -> None:
         now = time.time()
         with self._transaction() as connection:

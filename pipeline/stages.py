@@ -39,7 +39,7 @@ from .core.chain import MemoryChain
 from .core.evidence import find_evidence
 from .core.segmentation import Segment, segment, tokenize
 from .engines.factory import EngineSpec, load_tokenizer, open_engine
-from .runner import ChainResult, ChainRunner, StepRecord
+from .runner import ChainRunner, StepRecord
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -455,6 +455,12 @@ class MemoryStage:
         try:
             checkpoint: Checkpoint | None = await self._in_store(self.store.load_checkpoint, key)
             if checkpoint is not None and checkpoint.status == DONE:
+                if segments is not None and (
+                    answered := await self._in_store(self.store.ungrounded_answer, key)
+                ):
+                    answer, memory = answered
+                    await self._ground(key, planned["question"], answer, memory, segments,
+                                       document["page_starts"])  # fmt: skip
                 return row | {"status": "skipped", "start_step": checkpoint.step}
             if segments is None:
                 raise RuntimeError("the document was planned as answered; run the job again")
@@ -479,7 +485,8 @@ class MemoryStage:
         if result.status != "ok":
             await self._mark_failed(key, result.error or "unknown error")
         else:
-            await self._ground(key, planned["question"], result, segments, document["page_starts"])
+            await self._ground(key, planned["question"], result.answer, result.final_memory,
+                               segments, document["page_starts"])  # fmt: skip
         return row | {
             "status": "done" if result.status == "ok" else "failed",
             "start_step": start_step,
@@ -516,7 +523,8 @@ class MemoryStage:
         self,
         key: str,
         question: str,
-        result: ChainResult,
+        answer: str | None,
+        memory: str,
         segments: Sequence[Segment],
         page_starts: Sequence[int] | None,
     ) -> None:
@@ -526,8 +534,7 @@ class MemoryStage:
             grounding = await asyncio.get_running_loop().run_in_executor(
                 None,
                 functools.partial(
-                    find_evidence, question, result.answer, result.final_memory, segments,
-                    page_starts or None,
+                    find_evidence, question, answer, memory, segments, page_starts or None,
                 ),
             )  # fmt: skip
             evidence = [item.as_dict() for item in grounding.evidence]

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 
-from connectors.state_store import Checkpoint, StateStore, steps
+from connectors.state_store import Checkpoint, StateStore, groundings, steps
 from pipeline.config import MethodConfig
 from pipeline.core.templates import INITIAL_MEMORY
 from pipeline.engines.base import GenerationRequest
@@ -241,6 +241,23 @@ def test_an_answered_chain_is_skipped_while_its_unfinished_sibling_resumes(
         ("q0", "done", ANSWER),
         ("q1", "done", ANSWER),
     ]
+
+
+def test_an_answer_whose_evidence_a_crash_cut_off_gets_it_on_the_rerun(corpus: CorpusRun) -> None:
+    corpus.questions = (Question("q0", QUESTION), Question("q1", OTHER_QUESTION))
+    keys = [corpus.chain_key(QUESTION), corpus.chain_key(OTHER_QUESTION)]
+    with pytest.raises(EngineCrash):
+        corpus.attempt(crash_on(N_STEPS + 2), max_active_chains=1, longest_first=False)
+    answered = next(key for key in keys if corpus.store.load_checkpoint(key) == ANSWERED)
+    with sa.create_engine(corpus.store_url).begin() as connection:  # as if killed just before
+        connection.execute(sa.delete(groundings).where(groundings.c.chain_key == answered))
+    assert corpus.store.ungrounded_answer(answered) == (ANSWER, memory_after(len(FACTS)))
+
+    results = {row["chain_key"]: row for row in corpus.attempt(FactEngine())}
+    assert results[answered]["status"] == "skipped"
+    assert corpus.store.ungrounded_answer(answered) is None
+    answers = {a["chain_key"]: a for a in corpus.store.answers(RUN_ID, 2)}
+    assert answers[answered]["grounding_reason"] and answers[answered]["grounded"] is not None
 
 
 def test_a_failed_chain_is_retried_from_its_checkpoint_on_the_next_attempt(
