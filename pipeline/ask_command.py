@@ -92,23 +92,24 @@ async def run_with_progress(
         show(replace(planned, steps_planned=0))
         engine = open_engine(spec)
         try:
-            if hasattr(engine, "check"):
-                await engine.check()
-            startup = time.perf_counter() - started
-            done = planned
-            show(done)
-
-            def step_done(chain: MemoryChain, _: StepRecord) -> None:
-                nonlocal done
-                done = replace(
-                    done,
-                    steps_done=done.steps_done + 1,
-                    chains_done=done.chains_done + chain.done,
-                )
+            async with terminal.interrupted_by_ctrl_c():
+                if hasattr(engine, "check"):
+                    await engine.check()
+                startup = time.perf_counter() - started
+                done = planned
                 show(done)
 
-            runner = ChainRunner(engine, method.sampling())
-            results = await answer(runner, prepared, step_done)
+                def step_done(chain: MemoryChain, _: StepRecord) -> None:
+                    nonlocal done
+                    done = replace(
+                        done,
+                        steps_done=done.steps_done + 1,
+                        chains_done=done.chains_done + chain.done,
+                    )
+                    show(done)
+
+                runner = ChainRunner(engine, method.sampling())
+                results = await answer(runner, prepared, step_done)
         finally:
             await engine.shutdown()
     return results, {"engine_startup_s": startup, "total_s": time.perf_counter() - started}

@@ -341,7 +341,8 @@ async def _open_and_evaluate(
             await engine.check()
     metadata["engine_startup_s"] = round(time.perf_counter() - started, 1)
     try:
-        return await evaluate(request, engine, tokenizer, metadata, console, previous)
+        async with terminal.interrupted_by_ctrl_c():
+            return await evaluate(request, engine, tokenizer, metadata, console, previous)
     finally:
         await engine.shutdown()
 

@@ -10,11 +10,15 @@ loggers at WARNING and above also reach `err`, as one line each.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -105,3 +109,34 @@ def _install_log_handlers(terminal: Terminal, *, verbose: bool) -> None:
         logger.handlers = handlers
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+
+@contextlib.asynccontextmanager
+async def interrupted_by_ctrl_c() -> AsyncIterator[None]:
+    """Ctrl-C while inside ends the current task with KeyboardInterrupt, always.
+
+    A terminal sends SIGINT to the whole process group, so the engine's own processes get it
+    too and may fail the requests in flight before the task hears of it; without this, the run
+    would end as "questions failed" instead of "interrupted" by the luck of that race.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    received = False
+
+    def on_sigint() -> None:
+        nonlocal received
+        received = True
+        if task is not None:
+            task.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if received:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    if received:
+        raise KeyboardInterrupt

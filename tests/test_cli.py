@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import terminal
 from tests.conftest import TEST_MODEL, assert_clean_terminal
 
 TINY_RUN = [
@@ -164,6 +167,29 @@ def test_ctrl_c_during_the_chains_ends_ask_with_one_line(tmp_path: Path) -> None
     assert "Traceback" not in stderr and "RuntimeError" not in stderr, stderr[-3000:]
     (last,) = [line for line in stderr.splitlines() if "interrupted" in line]
     assert last.startswith("memstream: interrupted") and stdout == ""
+
+
+def test_ctrl_c_is_an_interruption_even_when_the_work_it_cut_short_ends_on_its_own() -> None:
+    """As when the engine's processes, hit by the same SIGINT, fail the requests in flight and
+    the chains end as errors before the task is cancelled."""
+
+    async def work_that_swallows_the_cancellation() -> str:
+        async with terminal.interrupted_by_ctrl_c():
+            os.kill(os.getpid(), signal.SIGINT)
+            # What a request failing first looks like from here: the cancellation is not seen.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(5)
+            return "finished as if nothing happened"
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(work_that_swallows_the_cancellation())
+
+    async def quiet_work() -> str:
+        async with terminal.interrupted_by_ctrl_c():
+            await asyncio.sleep(0)
+            return "done"
+
+    assert asyncio.run(quiet_work()) == "done"
 
 
 def test_env_json_reports_the_machine_and_the_dtype_auto_picks() -> None:
