@@ -519,15 +519,7 @@ class StateStore:
                 steps.c.latency_s,
                 rejected_quotes.c.quotes.label("rejected_quotes"),
             )
-            .select_from(
-                _with_documents(steps).outerjoin(
-                    rejected_quotes,
-                    and_(
-                        rejected_quotes.c.chain_key == steps.c.chain_key,
-                        rejected_quotes.c.step == steps.c.step,
-                    ),
-                )
-            )
+            .select_from(with_rejected_quotes(_with_documents(steps)))
             .where(_of_attempt(run_id, attempt))
             .order_by(run_chains.c.source_uri, run_chains.c.question_id, steps.c.step)
         )
@@ -789,6 +781,17 @@ def first_line(error: BaseException) -> str:
 def _joined(table: Table) -> Join:
     """run_chains joined with `table` (chains or steps) by chain key."""
     return run_chains.join(table, table.c.chain_key == run_chains.c.chain_key)
+
+
+def with_rejected_quotes(steps_joined: Table | Join) -> Join:
+    """`steps` (or a join holding it) with each step's rejected quotes, where it has any."""
+    return steps_joined.outerjoin(
+        rejected_quotes,
+        and_(
+            rejected_quotes.c.chain_key == steps.c.chain_key,
+            rejected_quotes.c.step == steps.c.step,
+        ),
+    )
 
 
 def _with_documents(table: Table) -> Join:

@@ -243,8 +243,8 @@ def answer_row(row: Mapping[str, Any], run: RunIdentity) -> dict[str, Any]:
         "chunk_size": method.chunk_size,
         "sampling": {"temperature": method.temperature, "top_p": method.top_p, "seed": method.seed},
         "timings": {
-            "started_at": _timestamp(started),
-            "finished_at": _timestamp(finished),
+            "started_at": utc_timestamp(started),
+            "finished_at": utc_timestamp(finished),
             "wall_s": finished - started if started is not None and finished is not None else None,
             "compute_s": row["compute_s"],
         },
@@ -255,7 +255,7 @@ def answer_row(row: Mapping[str, Any], run: RunIdentity) -> dict[str, Any]:
     }
 
 
-def _timestamp(seconds: float | None) -> datetime | None:
+def utc_timestamp(seconds: float | None) -> datetime | None:
     return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 

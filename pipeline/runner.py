@@ -42,19 +42,8 @@ class StepRecord:
 
     @classmethod
     def after(cls, chain: MemoryChain, request: StepRequest, completion: Completion) -> StepRecord:
-        """The record of `request`, which `chain` has just taken the reply of."""
-        if request.kind is StepKind.UPDATE:
-            return cls.of(request, completion, chain.memory, chain.rejected)
-        return cls.of(request, completion, completion.text)
-
-    @classmethod
-    def of(
-        cls,
-        request: StepRequest,
-        completion: Completion,
-        output: str,
-        rejected_quotes: tuple[str, ...] = (),
-    ) -> StepRecord:
+        """The record of `request`, whose reply `chain` has just taken."""
+        update = request.kind is StepKind.UPDATE
         segment = request.segment
         return cls(
             chain_id=request.chain_id,
@@ -65,12 +54,12 @@ class StepRecord:
             token_end=segment.token_end if segment else None,
             char_start=segment.char_start if segment else None,
             char_end=segment.char_end if segment else None,
-            output=output,
+            output=chain.memory if update else completion.text,
             prompt_tokens=completion.prompt_tokens,
             completion_tokens=completion.completion_tokens,
             finish_reason=completion.finish_reason,
             latency_s=completion.latency_s,
-            rejected_quotes=rejected_quotes,
+            rejected_quotes=chain.rejected if update else (),
         )
 
 

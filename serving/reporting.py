@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from typing import Any
 
+from pipeline.outputs import utc_timestamp
 from pipeline.report import RunData, render_report
 
 from .store import JobState
@@ -30,8 +30,8 @@ def job_report(job: JobState, trajectory: list[dict[str, Any]], model: str) -> s
             "parser": document.get("parser"),
             "parse_warnings": document.get("warnings") or [],
             "timings": {
-                "started_at": _timestamp(job.started_at),
-                "finished_at": _timestamp(job.finished_at),
+                "started_at": utc_timestamp(job.started_at),
+                "finished_at": utc_timestamp(job.finished_at),
                 "compute_s": state.compute_s,
             },
         }
@@ -41,9 +41,5 @@ def job_report(job: JobState, trajectory: list[dict[str, Any]], model: str) -> s
     if job.error:
         errors.append({"name": job.name, "source_uri": job.source, "stage": "job",
                        "error_type": job.status, "message": job.error})  # fmt: skip
-    manifest = {"run_id": job.job_id, "finished_at": _timestamp(job.finished_at)}
+    manifest = {"run_id": job.job_id, "finished_at": utc_timestamp(job.finished_at)}
     return render_report(RunData(f"job {job.job_id}", answers, trajectory, errors, manifest))
-
-
-def _timestamp(seconds: float | None) -> datetime | None:
-    return None if seconds is None else datetime.fromtimestamp(seconds, tz=timezone.utc)

@@ -63,11 +63,13 @@ from connectors.state_store import (
     pending_chain_row,
     rejected_quotes,
     steps,
+    with_rejected_quotes,
     write_failure,
     write_grounding,
     write_step,
 )
 from pipeline.core.evidence import Grounding
+from pipeline.outputs import trajectory_row
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
     "queued",
@@ -462,28 +464,19 @@ class JobStore:
         """Every model call of the job's chains, in order, as rows of a run's trajectory table."""
         keys = {state.chain_key: state.chain_index for state in job.chains}
         query = (
-            select(steps, rejected_quotes.c.quotes)
-            .select_from(
-                steps.outerjoin(
-                    rejected_quotes,
-                    and_(
-                        rejected_quotes.c.chain_key == steps.c.chain_key,
-                        rejected_quotes.c.step == steps.c.step,
-                    ),
-                )
-            )
+            select(steps, rejected_quotes.c.quotes.label("rejected_quotes"))
+            .select_from(with_rejected_quotes(steps))
             .where(steps.c.chain_key.in_(list(keys)))
             .order_by(steps.c.chain_key, steps.c.step)
         )
         with self._read() as connection:
             rows = connection.execute(query).mappings().all()
         return [
-            {
-                **row,
+            trajectory_row(row)
+            | {
                 "run_id": job.job_id,
                 "source_uri": job.source,
                 "question_id": f"q{keys[row['chain_key']]}",
-                "rejected_quotes": json.loads(row["quotes"] or "[]"),
             }
             for row in rows
         ]
