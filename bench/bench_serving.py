@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from serving.process import ServerNotReady, ServerProcess, free_port, http_ok
+from tests.processes import ServerNotReady, ServerProcess, free_port, http_ok
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

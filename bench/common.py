@@ -16,9 +16,9 @@ from typing import Any
 
 import psutil
 
-from pipeline import models
 from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
+from pipeline.engines import models
 from pipeline.engines.base import GenerationRequest
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.runner import ChainResult, ChainRunner

@@ -41,13 +41,13 @@ import pipeline_overhead  # sets RAY_worker_niceness=0 and marks this run's Ray 
 from engine_efficiency import BusyMeter
 
 from pipeline.ask import prepare
-from pipeline.ask_command import read_documents
+from pipeline.cli.ask import read_documents
+from pipeline.cli.env import collect
 from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
 from pipeline.engines.base import GenerationRequest
 from pipeline.engines.hardware import resolve_dtype
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
-from pipeline.env_command import collect
 from pipeline.job import JobSpec, RunSummary, run_job
 from pipeline.runner import ChainRunner
 

@@ -35,7 +35,7 @@ import psutil
 
 from connectors.local import expand_paths
 from pipeline.ask import prepare
-from pipeline.ask_command import read_documents
+from pipeline.cli.ask import read_documents
 from pipeline.config import MethodConfig
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec, run_job

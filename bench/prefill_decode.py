@@ -14,9 +14,9 @@ from typing import Any
 
 from common import real_text, table, write_results
 
+from pipeline.cli.env import collect
 from pipeline.engines.base import GenerationRequest
 from pipeline.engines.factory import EngineSpec, open_engine
-from pipeline.env_command import collect
 
 
 async def measure(spec: EngineSpec) -> dict[str, Any]:

@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import MethodConfig
-from .core.chain import MemoryChain
-from .core.evidence import Grounding, find_evidence
-from .core.segmentation import Segment, TokenizedDocument, segment, tokenize
-from .runner import ChainResult, ChainRunner, StepCallback
+from pipeline.config import MethodConfig
+from pipeline.core.chain import MemoryChain
+from pipeline.core.evidence import Grounding, find_evidence
+from pipeline.core.segmentation import Segment, TokenizedDocument, segment, tokenize
+from pipeline.runner import ChainResult, ChainRunner, StepCallback
 
 
 @dataclass(frozen=True)

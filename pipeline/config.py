@@ -6,11 +6,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .core.chain import REFERENCE_MAX_ANSWER_TOKENS, REFERENCE_MAX_MEMORY_TOKENS, ChainConfig
-from .core.segmentation import REFERENCE_CHUNK_SIZE, SegmentationConfig
-from .core.templates import REFERENCE, SEGMENT_FIRST, VERIFIED_QUOTES, get_template_set
-from .engines.base import SamplingConfig
-from .engines.factory import DEFAULT_MODEL
+from pipeline.core.chain import (
+    REFERENCE_MAX_ANSWER_TOKENS,
+    REFERENCE_MAX_MEMORY_TOKENS,
+    ChainConfig,
+)
+from pipeline.core.segmentation import REFERENCE_CHUNK_SIZE, SegmentationConfig
+from pipeline.core.templates import REFERENCE, SEGMENT_FIRST, VERIFIED_QUOTES, get_template_set
+from pipeline.engines.base import SamplingConfig
+from pipeline.engines.factory import DEFAULT_MODEL
 
 # The template set a model gets when none is named. For the small models that were not RL-trained,
 # the best measured by `memstream eval` (README, Accuracy); for every other model the reference,

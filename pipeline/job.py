@@ -18,8 +18,10 @@ import contextlib
 import hashlib
 import json
 import logging
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -32,27 +34,21 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from connectors import OutputError, Source, SourceError, check_output, open_output, open_source
 from connectors.base import coerce_questions
-from connectors.state_store import FAILED, StateStore, StateStoreError
-
-from .config import MethodConfig, with_default_template
-from .core.chain import CHARS_PER_TOKEN
-from .core.templates import get_template_set
-from .engines.base import EngineError
-from .engines.factory import EngineSpec, load_tokenizer, open_engine
-from .engines.hardware import detect, with_gpu_workers
-from .outputs import ResultWriter, RunIdentity
-from .progress import ProgressCallback, log_progress, watching
-from .stages import (
-    ENGINE_ACTOR_ENV,
-    MemoryStage,
-    Question,
-    ReadParseStage,
-    RunContext,
-    SegmentStage,
-)
-from .stages import item_row as _item_row
+from connectors.results import ResultWriter, RunIdentity
+from connectors.state.store import FAILED, RunProgress, StateStore, StateStoreError
+from operators.memory import ENGINE_ACTOR_ENV, MemoryStage
+from operators.read import ReadParseStage, item_row
+from operators.run import Question, RunContext
+from operators.segment import SegmentStage
+from pipeline.config import MethodConfig, with_default_template
+from pipeline.core.chain import CHARS_PER_TOKEN
+from pipeline.core.templates import get_template_set
+from pipeline.engines.base import EngineError
+from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
+from pipeline.engines.hardware import detect, with_gpu_workers
 
 logger = logging.getLogger(__name__)
+ProgressCallback = Callable[[RunProgress], None]
 
 STATE_FILE = "memstream-state.sqlite"
 MAX_INPUT_BLOCKS = 2000
@@ -384,7 +380,7 @@ def list_items(sources: Sequence[Source]) -> list[dict[str, Any]]:
     rows = []
     for index, source in enumerate(sources):
         try:
-            rows.extend(_item_row(index, item) for item in source.items())
+            rows.extend(item_row(index, item) for item in source.items())
         except SourceError as error:
             raise JobError(str(error)) from None
     return rows
@@ -466,6 +462,42 @@ class _Tally:
             self.resumed += row["status"] == "done" and row["start_step"] > 0
             self.prompt_tokens += row["prompt_tokens"]
             self.completion_tokens += row["completion_tokens"]
+
+
+@contextmanager
+def watching(
+    store: StateStore, run_id: str, attempt: int, report: ProgressCallback, interval_s: float
+) -> Iterator[None]:
+    """Calls `report` every `interval_s` seconds while the block runs, and once at its end."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while True:
+            stopping = stop.wait(interval_s)
+            try:
+                report(store.progress(run_id, attempt))
+            except StateStoreError as error:  # progress is a courtesy; the job goes on
+                logger.debug("progress unavailable: %s", error)
+            if stopping:
+                return
+
+    thread = threading.Thread(target=poll, name="memstream-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def log_progress(progress: RunProgress) -> None:
+    logger.info(
+        "model calls %d/%d, chains answered %d/%d",
+        progress.steps_done,
+        progress.steps_planned,
+        progress.chains_done,
+        progress.chains_planned,
+    )
 
 
 def run_job(

@@ -17,50 +17,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from .core.chain import MemoryChain, StepKind, StepRequest
-from .engines.base import Completion, Engine, GenerationRequest, SamplingConfig
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One model call of a chain: a row of the memory trajectory (the audit trail)."""
-
-    chain_id: str
-    step: int
-    kind: str
-    segment_index: int | None
-    token_start: int | None
-    token_end: int | None
-    char_start: int | None
-    char_end: int | None
-    output: str  # the memory after an update step, the raw response of the final step
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str | None
-    latency_s: float
-    rejected_quotes: tuple[str, ...] = ()  # reply lines a verifying memory policy dropped
-
-    @classmethod
-    def after(cls, chain: MemoryChain, request: StepRequest, completion: Completion) -> StepRecord:
-        """The record of `request`, whose reply `chain` has just taken."""
-        update = request.kind is StepKind.UPDATE
-        segment = request.segment
-        return cls(
-            chain_id=request.chain_id,
-            step=request.step,
-            kind=request.kind.value,
-            segment_index=segment.index if segment else None,
-            token_start=segment.token_start if segment else None,
-            token_end=segment.token_end if segment else None,
-            char_start=segment.char_start if segment else None,
-            char_end=segment.char_end if segment else None,
-            output=chain.memory if update else completion.text,
-            prompt_tokens=completion.prompt_tokens,
-            completion_tokens=completion.completion_tokens,
-            finish_reason=completion.finish_reason,
-            latency_s=completion.latency_s,
-            rejected_quotes=chain.rejected if update else (),
-        )
+from pipeline.core.chain import MemoryChain, StepRecord
+from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
 
 
 @dataclass

@@ -17,9 +17,8 @@ from pipeline.ask import DocumentInput, PreparedDocument, prepare
 from pipeline.config import MethodConfig
 from pipeline.engines.base import Engine
 from pipeline.runner import ChainResult, ChainRunner, StepCallback
-
-from .documents import LoadedDocument
-from .schemas import Answer, AnswerResponse, DocumentInfo, usage_of
+from serving.documents import LoadedDocument
+from serving.schemas import Answer, AnswerResponse, DocumentInfo, usage_of
 
 
 class DocumentPreparer:

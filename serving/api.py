@@ -24,15 +24,14 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.report import content_security_policy
-
-from .answering import SyncAnswerer
-from .config import LimitsConfig
-from .documents import DocumentLoader, InputError, RequestReader
-from .engine import ServeEngineClient
-from .jobs import JobWorker
-from .metrics import CONTENT_TYPE, ServingMetrics
-from .reporting import job_report
-from .schemas import (
+from serving.answering import SyncAnswerer
+from serving.config import LimitsConfig
+from serving.documents import DocumentLoader, InputError, RequestReader
+from serving.engine import ServeEngineClient
+from serving.jobs import JobWorker
+from serving.metrics import CONTENT_TYPE, ServingMetrics
+from serving.reporting import job_report
+from serving.schemas import (
     ERROR_RESPONSES,
     Answer,
     AnswerRequest,
@@ -44,8 +43,8 @@ from .schemas import (
     QuestionProgress,
     usage_of,
 )
-from .security import ApiKeys
-from .store import SUCCEEDED, JobConflict, JobState, JobStore, NewJob, StoreError
+from serving.security import ApiKeys
+from serving.store import SUCCEEDED, JobConflict, JobState, JobStore, NewJob, StoreError
 
 logger = logging.getLogger("ray.serve")
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")

@@ -21,17 +21,16 @@ from typing import Any
 
 from pipeline.config import MethodConfig
 from pipeline.engines.factory import EngineSpec, load_tokenizer
-
-from .answering import DocumentPreparer, SyncAnswerer
-from .api import ApiServices, build_api
-from .config import JobsConfig, LimitsConfig, ServingConfig, UriConfig
-from .documents import DocumentLoader, RequestReader
-from .engine import EngineServer, ServeEngineClient
-from .jobs import JobWorker
-from .metrics import ServingMetrics
-from .security import ApiKeys
-from .store import JobStore
-from .uris import DocumentFetcher, UriPolicy
+from serving.answering import DocumentPreparer, SyncAnswerer
+from serving.api import ApiServices, build_api
+from serving.config import JobsConfig, LimitsConfig, ServingConfig, UriConfig
+from serving.documents import DocumentLoader, RequestReader
+from serving.engine import EngineServer, ServeEngineClient
+from serving.jobs import JobWorker
+from serving.metrics import ServingMetrics
+from serving.security import ApiKeys
+from serving.store import JobStore
+from serving.uris import DocumentFetcher, UriPolicy
 
 APP_NAME = "memstream"
 ENGINE_CONSTRUCTOR_RETRIES = 1

@@ -18,14 +18,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pipeline import terminal
+from pipeline.cli import terminal
+from pipeline.cli.flags import EXIT_USAGE
 from pipeline.engines.hardware import DTYPE_HELP, DTYPES
-
-from .config import ServingConfig, ServingConfigError, load_config
-from .security import ApiKeys
+from serving.config import ServingConfig, ServingConfigError, load_config
+from serving.security import ApiKeys
 
 EXIT_START_FAILED = 1
-EXIT_USAGE = 2
 
 
 def register(subparsers: Any) -> None:
@@ -52,9 +51,8 @@ def register(subparsers: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import yaml
 
-    from pipeline import models
-
-    from .store import JobStore, StoreError
+    from pipeline.engines import models
+    from serving.store import JobStore, StoreError
 
     config = load_config(args.config).with_server(args.host, args.port)
     engine = config.engine if args.dtype is None else replace(config.engine, dtype=args.dtype)
@@ -155,7 +153,7 @@ class ServeServer:
         import ray
         from ray import serve
 
-        from .app import APP_NAME, build_application
+        from serving.app import APP_NAME, build_application
 
         settings = self.config.ray
         options: dict[str, Any] = {
@@ -186,7 +184,7 @@ class ServeServer:
         import ray
         from ray import serve
 
-        from .app import APP_NAME
+        from serving.app import APP_NAME
 
         self.running = False
         if self._app_started:
@@ -207,7 +205,7 @@ def first_line(error: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from pipeline.engines.base import EngineError
-    from pipeline.models import ModelError
+    from pipeline.engines.models import ModelError
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -19,10 +19,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from operators.parsing import ParsedDocument, ParseError, parse_document
-
-from .config import LimitsConfig
-from .schemas import AnswerRequest
-from .uris import DocumentFetcher, FetchError, UriPolicy, UriRefused, redact_uri
+from serving.config import LimitsConfig
+from serving.schemas import AnswerRequest
+from serving.uris import DocumentFetcher, FetchError, UriPolicy, UriRefused, redact_uri
 
 MAX_NAME_CHARS = 255
 INLINE_NAME = "document.txt"

@@ -18,20 +18,19 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from connectors.state_store import StepCheckpoint
+from connectors.state.store import StepCheckpoint
 from pipeline.config import MethodConfig
-from pipeline.core.chain import MemoryChain
+from pipeline.core.chain import MemoryChain, StepRecord
 from pipeline.core.evidence import find_evidence
 from pipeline.core.segmentation import Segment
 from pipeline.engines.base import Completion, Engine, GenerationRequest
-from pipeline.runner import ChainRunner, StepRecord
-
-from .answering import DocumentPreparer, document_info
-from .config import JobsConfig
-from .documents import DocumentLoader, DocumentRequest, InputError
-from .engine import EngineUnavailable
-from .metrics import ServingMetrics
-from .store import FAILED, SUCCEEDED, ChainState, JobInput, JobStore, StoreError
+from pipeline.runner import ChainRunner
+from serving.answering import DocumentPreparer, document_info
+from serving.config import JobsConfig
+from serving.documents import DocumentLoader, DocumentRequest, InputError
+from serving.engine import EngineUnavailable
+from serving.metrics import ServingMetrics
+from serving.store import FAILED, SUCCEEDED, ChainState, JobInput, JobStore, StoreError
 
 logger = logging.getLogger("ray.serve")
 STORE_RETRY_S = 2.0

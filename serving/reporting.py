@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.outputs import utc_timestamp
+from connectors.results import utc_timestamp
 from pipeline.report import RunData, render_report
-
-from .store import JobState
+from serving.store import JobState
 
 # A chain's status in the API ("ok", "error", "pending") as the run tables say it.
 RUN_STATUS = {"ok": "done", "error": "failed", "pending": "running"}

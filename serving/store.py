@@ -1,6 +1,6 @@
 """Serving jobs in an SQL database (SQLite by default, PostgreSQL by URL), through SQLAlchemy Core.
 
-The database is a state store of the corpus job's kind (`connectors.state_store`): the same URLs,
+The database is a state store of the corpus job's kind (`connectors.state.store`): the same URLs,
 the same SQLite set-up, and the chains checkpointed in the same `chains` and `steps` tables by
 the same code. A job's chain `i` is the `chains` row keyed `<job_id>#q<i>` (its run_id and
 doc_id are the job id), with a `steps` row per model call. What only the server has lives in two
@@ -48,9 +48,10 @@ from sqlalchemy import (
 from sqlalchemy.engine import URL, Connection, Engine, RowMapping
 from sqlalchemy.exc import SQLAlchemyError
 
-from connectors import state_store
+from connectors.results import trajectory_row
 from connectors.sql import redacted
-from connectors.state_store import (
+from connectors.state import store as state_store
+from connectors.state.store import (
     CHECKPOINT_TABLES,
     PlannedChain,
     StateStoreError,
@@ -69,7 +70,6 @@ from connectors.state_store import (
     write_step,
 )
 from pipeline.core.evidence import Grounding
-from pipeline.outputs import trajectory_row
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
     "queued",

@@ -20,7 +20,7 @@ from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
 import httpx
 
-from .config import UriConfig
+from serving.config import UriConfig
 
 MAX_URI_CHARS = 4096
 DEFAULT_PORTS = {"http": 80, "https": 443}

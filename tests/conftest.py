@@ -29,7 +29,7 @@ def corpora() -> Path:
 
 @pytest.fixture(scope="session")
 def test_model_path() -> str:
-    from pipeline import models
+    from pipeline.engines import models
 
     return models.resolve(TEST_MODEL)
 

@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from serving.process import ServerProcess, free_port
+from tests.processes import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 POSTGRES_SCRIPT = REPO / "infra" / "services" / "postgres.sh"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import terminal
+from pipeline.cli import terminal
 from tests.conftest import TEST_MODEL, assert_clean_terminal
 
 TINY_RUN = [
@@ -26,7 +26,7 @@ TINY_RUN = [
 def memstream(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "pipeline.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -147,7 +147,16 @@ def test_ask_answers_good_files_and_reports_the_bad_one(corpora: Path, tmp_path:
 def test_ctrl_c_during_the_chains_ends_ask_with_one_line(tmp_path: Path) -> None:
     document = tmp_path / "long.md"
     document.write_text("The budget owner is Priya Raman.\n" + "The team met again. " * 3000)
-    command = [sys.executable, "-m", "pipeline.cli", "ask", str(document), "-q", "Who?", *TINY_RUN]
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.cli.main",
+        "ask",
+        str(document),
+        "-q",
+        "Who?",
+        *TINY_RUN,
+    ]
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdin=subprocess.DEVNULL,
@@ -204,7 +213,8 @@ def test_env_json_reports_the_machine_and_the_dtype_auto_picks() -> None:
     assert report["versions"]["vllm"] and report["versions"]["torch"]
     assert {model["name"] for model in report["models"]} >= {TEST_MODEL}
     with_env = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "env", "--json"], capture_output=True, text=True,
+        [sys.executable, "-m", "pipeline.cli.main", "env", "--json"],
+        capture_output=True, text=True,
         env={**os.environ, "MEMSTREAM_DTYPE": "float16"}, check=True,
     )  # fmt: skip
     assert json.loads(with_env.stdout)["dtype"] == "float16"

@@ -29,7 +29,7 @@ from connectors import (
     open_output,
     open_source,
 )
-from serving.process import free_port
+from tests.processes import free_port
 from tests.services import S3Server, require_credential_checks
 
 # conftest.py registers the same plugin; naming it here too lets this file run on its own.

@@ -21,7 +21,7 @@ from pipeline.config import MethodConfig
 from pipeline.engines.base import EngineError, GenerationRequest, SamplingConfig
 from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
 from pipeline.runner import ChainRunner
-from serving.process import ServerNotReady, ServerProcess, free_port, http_ok
+from tests.processes import ServerNotReady, ServerProcess, free_port, http_ok
 
 pytestmark = pytest.mark.engine
 

@@ -15,10 +15,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from pipeline.core.templates import REFERENCE
-from pipeline.engines.base import Completion, GenerationRequest
-from pipeline.engines.factory import EngineSpec
-from pipeline.eval_command import (
+from pipeline.cli.evaluate import (
     QUICK,
     check_chunks_fit,
     evaluate,
@@ -29,6 +26,9 @@ from pipeline.eval_command import (
     resumed_metadata,
     run_metadata,
 )
+from pipeline.core.templates import REFERENCE
+from pipeline.engines.base import Completion, GenerationRequest
+from pipeline.engines.factory import EngineSpec
 from pipeline.evaluation import corpora as corpus_files
 from pipeline.evaluation.cuad import (
     ContractLabel,

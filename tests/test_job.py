@@ -33,7 +33,8 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from connectors.state_store import (
+from connectors.results import ResultWriter, RunIdentity
+from connectors.state.store import (
     DocumentRecord,
     PlannedChain,
     RunProgress,
@@ -41,12 +42,12 @@ from connectors.state_store import (
     StepCheckpoint,
 )
 from operators.parsing import parse_document
-from pipeline.cli import build_parser, main, method_config
+from operators.run import Question, RunContext
+from pipeline.cli.flags import method_config
+from pipeline.cli.main import build_parser, main
+from pipeline.cli.run import spec_from_arguments
+from pipeline.core.chain import StepRecord
 from pipeline.job import JobError, JobSpec, derive_run_id, load_job_spec, plan_job, run_job
-from pipeline.outputs import ResultWriter, RunIdentity
-from pipeline.run_command import spec_from_arguments
-from pipeline.runner import StepRecord
-from pipeline.stages import Question, RunContext
 from serving.config import config_from_mapping, load_config
 from tests.conftest import TEST_MODEL, assert_clean_terminal
 
@@ -178,7 +179,7 @@ def test_yaml_paths_are_relative_to_the_file_and_flags_win(tmp_path: Path) -> No
 
     import argparse
 
-    from pipeline.run_command import register
+    from pipeline.cli.run import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
@@ -201,8 +202,8 @@ def test_the_example_job_is_valid() -> None:
 def test_summary_table_shows_counts_throughput_and_outputs() -> None:
     from rich.console import Console
 
+    from pipeline.cli.run import summary_table
     from pipeline.job import RunSummary
-    from pipeline.run_command import summary_table
 
     summary = RunSummary(
         run_id="run-x",
@@ -234,7 +235,7 @@ def test_summary_table_shows_counts_throughput_and_outputs() -> None:
 def test_progress_off_a_terminal_is_a_line_when_it_changed_and_the_last_one_always() -> None:
     from rich.console import Console
 
-    from pipeline.progress import progress_bar
+    from pipeline.cli.progress import progress_bar
 
     console = Console(file=io.StringIO())
     readings = [RunProgress(0, 9, 0, 2), RunProgress(4, 9, 0, 2), RunProgress(9, 9, 2, 2)]
@@ -686,7 +687,7 @@ def test_memstream_run_shows_progress_and_leaves_no_process_behind(
     (tmp_path / "rfc.txt").write_text(excerpt_of_text(corpora, 3000))
     marker = uuid.uuid4().hex
     command = [
-        sys.executable, "-m", "pipeline.cli", "run", "--input", str(tmp_path / "rfc.txt"),
+        sys.executable, "-m", "pipeline.cli.main", "run", "--input", str(tmp_path / "rfc.txt"),
         "--question", QUESTION, "--output", str(tmp_path / "out"),
         "--model", TEST_MODEL, "--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "2048",
         "--chunk-size", "300", "--max-memory-tokens", "24", "--max-answer-tokens", "24",

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from operators import parsing
-from operators.parsing import ParsedDocument, ParseError, parse_document
+from operators.parsing import ParsedDocument, ParseError, parse_document, pdf_text
+from operators.parsing.base import DOCX_MIME
 from pipeline.core.evidence import page_of
 
 CORPORA = Path(__file__).resolve().parents[1].parent / "shared" / "corpora"
@@ -152,7 +152,7 @@ def test_damaged_pdfs_print_nothing(capfd: pytest.CaptureFixture[str]) -> None:
 
 @needs_corpora
 def test_unstructured_is_the_pdf_parser_where_it_can_run_offline() -> None:
-    if parsing._unstructured_pdf_partitioner() is None:
+    if pdf_text._unstructured_pdf_partitioner() is None:
         pytest.skip(
             "unstructured[pdf] with spaCy's en_core_web_sm is not installed: PDFs go "
             "through pdfminer.six"
@@ -267,7 +267,7 @@ def test_docx_keeps_paragraphs_and_tables_in_reading_order() -> None:
     parsed = parse_document(make_docx_with_python_docx(), "report.docx")
 
     assert parsed.parser == "docx"
-    assert parsed.mime_type == parsing.DOCX_MIME
+    assert parsed.mime_type == DOCX_MIME
     assert parsed.text == (
         "Quarterly Report\n\n"
         "Revenue grew by 12 percent in the third quarter.\n\n"

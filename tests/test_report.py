@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.cli import main
-from pipeline.outputs import ANSWERS_SCHEMA, ERRORS_SCHEMA, TRAJECTORY_SCHEMA
+from connectors.results import ANSWERS_SCHEMA, ERRORS_SCHEMA, TRAJECTORY_SCHEMA
+from pipeline.cli.main import main
 from pipeline.report import load_run, memory_diff, render_report
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"

@@ -22,19 +22,15 @@ import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 
-from connectors.state_store import Checkpoint, StateStore, groundings, steps
+from connectors.state.store import Checkpoint, StateStore, groundings, steps
+from operators.memory import MemoryStage
+from operators.read import ITEM_SCHEMA, ReadParseStage
+from operators.run import Question, RunContext
+from operators.segment import SegmentStage
 from pipeline.config import MethodConfig
 from pipeline.core.templates import INITIAL_MEMORY
 from pipeline.engines.base import GenerationRequest
 from pipeline.engines.factory import EngineSpec
-from pipeline.stages import (
-    ITEM_SCHEMA,
-    MemoryStage,
-    Question,
-    ReadParseStage,
-    RunContext,
-    SegmentStage,
-)
 from serving.answering import DocumentPreparer
 from serving.config import JobsConfig, ServingConfig
 from serving.documents import DocumentLoader
@@ -163,16 +159,17 @@ class CorpusRun:
 
 @pytest.fixture
 def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[CorpusRun]:
-    from pipeline import stages
+    from operators import memory, segment
+    from operators import run as run_module
 
     run = CorpusRun(f"sqlite:///{tmp_path / 'state.sqlite'}")
     run.store.create()
     tokenizer = WordTokenizer()
-    monkeypatch.setattr(stages, "open_engine", run.open_engine)
-    monkeypatch.setattr(stages, "cached_tokenizer", lambda spec: tokenizer)
+    monkeypatch.setattr(memory, "open_engine", run.open_engine)
+    monkeypatch.setattr(segment, "cached_tokenizer", lambda spec: tokenizer)
     yield run
     run.store.close()
-    stages.open_store(run.store_url).close()
+    run_module.open_store(run.store_url).close()
 
 
 @pytest.mark.parametrize("crash_on_call", range(1, N_STEPS + 1))

@@ -29,16 +29,16 @@ import yaml
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
-from connectors.state_store import StepCheckpoint
+from connectors.state.store import StepCheckpoint
+from pipeline.core.chain import StepRecord
 from pipeline.core.evidence import Evidence, Grounding
-from pipeline.runner import StepRecord
 from serving.api import KeyCheck
 from serving.config import ServingConfig, ServingConfigError, config_from_mapping, load_config
-from serving.process import ServerNotReady, ServerProcess, free_port, http_ok
 from serving.reporting import job_report
 from serving.security import ApiKeys
 from serving.store import JobConflict, JobStore, NewJob, chain_key
 from serving.uris import UriPolicy, UriRefused, redact_uri
+from tests.processes import ServerNotReady, ServerProcess, free_port, http_ok
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-" + "7f3a9c2e5b8d1f4a6c0e"

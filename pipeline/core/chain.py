@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
-from .extraction import extract_answer, strip_thinking
-from .segmentation import Segment
-from .templates import REFERENCE, TemplateSet
+from pipeline.core.extraction import extract_answer, strip_thinking
+from pipeline.core.segmentation import Segment
+from pipeline.core.templates import REFERENCE, TemplateSet
 
 REFERENCE_MAX_MEMORY_TOKENS = 1024
 REFERENCE_MAX_ANSWER_TOKENS = 1024
@@ -138,3 +139,60 @@ class MemoryChain:
         else:
             self.raw_response = reply
         self.step += 1
+
+
+class Reply(Protocol):
+    """What a step needs of the engine's reply (`pipeline.engines.base.Completion` is one)."""
+
+    @property
+    def text(self) -> str: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def latency_s(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One model call of a chain: a row of the memory trajectory (the audit trail)."""
+
+    chain_id: str
+    step: int
+    kind: str
+    segment_index: int | None
+    token_start: int | None
+    token_end: int | None
+    char_start: int | None
+    char_end: int | None
+    output: str  # the memory after an update step, the raw response of the final step
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    latency_s: float
+    rejected_quotes: tuple[str, ...] = ()  # reply lines a verifying memory policy dropped
+
+    @classmethod
+    def after(cls, chain: MemoryChain, request: StepRequest, completion: Reply) -> StepRecord:
+        """The record of `request`, whose reply `chain` has just taken."""
+        update = request.kind is StepKind.UPDATE
+        segment = request.segment
+        return cls(
+            chain_id=request.chain_id,
+            step=request.step,
+            kind=request.kind.value,
+            segment_index=segment.index if segment else None,
+            token_start=segment.token_start if segment else None,
+            token_end=segment.token_end if segment else None,
+            char_start=segment.char_start if segment else None,
+            char_end=segment.char_end if segment else None,
+            output=chain.memory if update else completion.text,
+            prompt_tokens=completion.prompt_tokens,
+            completion_tokens=completion.completion_tokens,
+            finish_reason=completion.finish_reason,
+            latency_s=completion.latency_s,
+            rejected_quotes=chain.rejected if update else (),
+        )

@@ -44,9 +44,9 @@ from itertools import islice
 
 from rapidfuzz import fuzz
 
-from .extraction import STOP_WORDS, normalize_answer
-from .segmentation import Segment
-from .templates import INITIAL_MEMORY
+from pipeline.core.extraction import STOP_WORDS, normalize_answer
+from pipeline.core.segmentation import Segment
+from pipeline.core.templates import INITIAL_MEMORY
 
 # Half-width of the window around an answer match in which question terms must appear: about
 # one paragraph, so a term from an unrelated clause or table a page away does not count.

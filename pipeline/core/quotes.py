@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from rapidfuzz import fuzz
 
-from .extraction import STOP_WORDS
+from pipeline.core.extraction import STOP_WORDS
 
 # 90 allows a few changed characters in a 60-character sentence; a sentence the model wrote
 # itself, even about the same fact, scores far lower.

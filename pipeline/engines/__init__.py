@@ -1,5 +1,5 @@
 """Engine adapters behind one small async interface (see `base`)."""
 
-from .base import Completion, Engine, EngineError, GenerationRequest, SamplingConfig
+from pipeline.engines.base import Completion, Engine, EngineError, GenerationRequest, SamplingConfig
 
 __all__ = ["Completion", "Engine", "EngineError", "GenerationRequest", "SamplingConfig"]

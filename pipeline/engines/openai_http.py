@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from .base import Completion, EngineError, GenerationRequest
+from pipeline.engines.base import Completion, EngineError, GenerationRequest
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Completion, EngineError, GenerationRequest
-from .reaper import descendant_pids, start_watchdog
+from pipeline.engines.base import Completion, EngineError, GenerationRequest
+from pipeline.engines.reaper import descendant_pids, start_watchdog
 
 SMALL_MACHINE_CPUS = 4
 

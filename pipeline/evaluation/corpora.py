@@ -6,9 +6,8 @@ import json
 from pathlib import Path
 
 from operators.parsing import ParseError, parse_document
-
-from .cuad import Contract, parse_cuad_labels
-from .hotpotqa import HotpotExample, parse_hotpotqa
+from pipeline.evaluation.cuad import Contract, parse_cuad_labels
+from pipeline.evaluation.hotpotqa import HotpotExample, parse_hotpotqa
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 DEFAULT_CORPORA = REPOSITORY.parent / "shared" / "corpora"

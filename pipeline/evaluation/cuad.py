@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .samples import AnswerMode, EvalSample, count_tokens
+from pipeline.evaluation.samples import AnswerMode, EvalSample, count_tokens
 
 PRIORITY_CATEGORIES = ("Parties", "Governing Law", "Agreement Date", "Expiration Date")
 

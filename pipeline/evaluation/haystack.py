@@ -9,8 +9,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.segmentation import TokenizedDocument, tokenize
-from .samples import count_tokens
+from pipeline.core.segmentation import TokenizedDocument, tokenize
+from pipeline.evaluation.samples import count_tokens
 
 TEXT_SEPARATOR = "\n\n"
 _BLANK_LINES = re.compile(r"\n\s*\n")

@@ -12,8 +12,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .haystack import Passage, cycle_from
-from .samples import EvalSample, count_tokens
+from pipeline.evaluation.haystack import Passage, cycle_from
+from pipeline.evaluation.samples import EvalSample, count_tokens
 
 DOCUMENT_SEPARATOR = "\n\n"
 # Stop looking for a distractor that still fits once fewer tokens than this are left.

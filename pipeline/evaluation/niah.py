@@ -11,8 +11,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .haystack import HaystackCorpus, Insertion
-from .samples import EvalSample, count_tokens
+from pipeline.evaluation.haystack import HaystackCorpus, Insertion
+from pipeline.evaluation.samples import EvalSample, count_tokens
 
 NiahVariant = Literal["single", "multikey", "multivalue"]
 VARIANTS: tuple[NiahVariant, ...] = ("single", "multikey", "multivalue")

@@ -9,8 +9,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .results import Configuration, ConfigurationRun, Prediction, SummaryRow, summarize
-from .suite import SuiteOutcome
+from pipeline.evaluation.results import (
+    Configuration,
+    ConfigurationRun,
+    Prediction,
+    SummaryRow,
+    summarize,
+)
+from pipeline.evaluation.suite import SuiteOutcome
 
 RESULTS_JSON = "results.json"
 RESULTS_MARKDOWN = "results.md"

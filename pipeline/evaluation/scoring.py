@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from ..core.extraction import (
+from pipeline.core.extraction import (
     exact_match,
     f1_score,
     normalize_answer,
@@ -19,7 +19,7 @@ from ..core.extraction import (
     string_match_any,
     sub_exact_match,
 )
-from .samples import AnswerMode
+from pipeline.evaluation.samples import AnswerMode
 
 METRICS = (
     "accuracy",

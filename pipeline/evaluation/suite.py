@@ -13,15 +13,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..engines.base import Engine
-from .execution import EvalMethod, EvalSettings, ProgressHook, run_configuration
-from .results import (
+from pipeline.engines.base import Engine
+from pipeline.evaluation.execution import EvalMethod, EvalSettings, ProgressHook, run_configuration
+from pipeline.evaluation.results import (
     Configuration,
     ConfigurationRun,
     Prediction,
     SkippedConfiguration,
 )
-from .samples import EvalSample, LengthSpec
+from pipeline.evaluation.samples import EvalSample, LengthSpec
 
 TASKS = ("hotpotqa", "niah", "cuad")
 # Tasks whose documents keep their own length: run once, with the first length's group.

@@ -22,16 +22,23 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import terminal
-from .engines.base import Engine
-from .engines.factory import EngineSpec, load_tokenizer, open_engine
-from .evaluation import corpora
-from .evaluation.cuad import build_cuad_samples
-from .evaluation.execution import EvalMethod, EvalSettings, ProgressHook, parse_methods
-from .evaluation.haystack import HaystackCorpus, split_passages
-from .evaluation.hotpotqa import HotpotQABuilder
-from .evaluation.niah import DEFAULT_DEPTHS, NiahBuilder
-from .evaluation.report import (
+from pipeline.cli import terminal
+from pipeline.cli.flags import (
+    EXIT_PARTIAL_FAILURE,
+    add_engine_arguments,
+    add_verbose_argument,
+    engine_spec,
+    positive_int,
+)
+from pipeline.engines.base import Engine
+from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
+from pipeline.evaluation import corpora
+from pipeline.evaluation.cuad import build_cuad_samples
+from pipeline.evaluation.execution import EvalMethod, EvalSettings, ProgressHook, parse_methods
+from pipeline.evaluation.haystack import HaystackCorpus, split_passages
+from pipeline.evaluation.hotpotqa import HotpotQABuilder
+from pipeline.evaluation.niah import DEFAULT_DEPTHS, NiahBuilder
+from pipeline.evaluation.report import (
     ACCURACY_PLOT,
     RESULTS_JSON,
     read_results,
@@ -39,11 +46,15 @@ from .evaluation.report import (
     write_accuracy_plot,
     write_outputs,
 )
-from .evaluation.results import Configuration, ConfigurationRun, Prediction, SkippedConfiguration
-from .evaluation.samples import EvalSample, LengthSpec, parse_lengths
-from .evaluation.suite import TASKS, SuiteOutcome, parse_tasks, plan_groups, run_suite
+from pipeline.evaluation.results import (
+    Configuration,
+    ConfigurationRun,
+    Prediction,
+    SkippedConfiguration,
+)
+from pipeline.evaluation.samples import EvalSample, LengthSpec, parse_lengths
+from pipeline.evaluation.suite import TASKS, SuiteOutcome, parse_tasks, plan_groups, run_suite
 
-EXIT_PARTIAL_FAILURE = 1
 DEFAULT_METHODS = "memstream:memagent-reference,memstream:segment-first,direct"
 # Room an update prompt needs besides the chunk and the memory: template, question, chat frame.
 UPDATE_PROMPT_ALLOWANCE = 512
@@ -75,7 +86,6 @@ QUICK = RunDefaults(
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
-    from .cli import add_engine_arguments, add_verbose_argument, positive_int
 
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "eval",
@@ -267,7 +277,6 @@ class SampleBuilders:
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
-    from .cli import engine_spec
 
     spec = engine_spec(args)
     request = resolve_request(args, spec.resolved_max_model_len)
@@ -475,7 +484,7 @@ class ConsoleListener:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pipeline.eval_command [options]`: the command without the `memstream` CLI."""
+    """`python -m pipeline.cli.evaluate [options]`: the command without the `memstream` CLI."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(prog="memstream")

@@ -8,12 +8,12 @@ from typing import Any
 
 from rich.table import Table
 
-from . import models, terminal
-from .engines.hardware import DTYPE_HELP, DTYPES
-from .job import JobError, JobSpec, RunSummary, load_job_spec, run_job
-from .progress import progress_bar
-
-EXIT_PARTIAL_FAILURE = 1
+from pipeline.cli import terminal
+from pipeline.cli.flags import EXIT_PARTIAL_FAILURE, add_verbose_argument, positive_int
+from pipeline.cli.progress import progress_bar
+from pipeline.engines import models
+from pipeline.engines.hardware import DTYPE_HELP, DTYPES
+from pipeline.job import JobError, JobSpec, RunSummary, load_job_spec, run_job
 
 # flag destination -> (section of the job spec or None for the top level, key in it)
 FLAG_KEYS: dict[str, tuple[str | None, str]] = {
@@ -53,7 +53,6 @@ FLAG_KEYS: dict[str, tuple[str | None, str]] = {
 
 def register(subparsers: Any) -> None:
     """Adds `run` to the `memstream` subcommands."""
-    from .cli import add_verbose_argument, positive_int
 
     run = subparsers.add_parser(
         "run",

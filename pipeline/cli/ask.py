@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -12,20 +13,50 @@ from typing import Any, TextIO
 
 from rich.console import Console
 
-from connectors.state_store import RunProgress
+from connectors.state.store import RunProgress
 from operators.parsing import ParseError, parse_document
+from pipeline.ask import DocumentInput, PreparedDocument, answer, prepare
+from pipeline.cli import terminal
+from pipeline.cli.flags import (
+    EXIT_PARTIAL_FAILURE,
+    EXIT_USAGE,
+    add_engine_arguments,
+    add_method_arguments,
+    add_verbose_argument,
+    engine_spec,
+    method_config,
+)
+from pipeline.cli.progress import progress_bar
+from pipeline.config import MethodConfig
+from pipeline.core.chain import MemoryChain, StepRecord
+from pipeline.core.evidence import Evidence
+from pipeline.engines import models
+from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
+from pipeline.runner import ChainResult, ChainRunner
 
-from . import models, terminal
-from .ask import DocumentInput, PreparedDocument, answer, prepare
-from .config import MethodConfig
-from .core.chain import MemoryChain
-from .core.evidence import Evidence
-from .engines.factory import EngineSpec, load_tokenizer, open_engine
-from .progress import progress_bar
-from .runner import ChainResult, ChainRunner, StepRecord
+EXIT_NOTHING_READABLE = EXIT_USAGE
 
-EXIT_PARTIAL_FAILURE = 1
-EXIT_NOTHING_READABLE = 2
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("ask", help="answer questions about local documents")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="text, Markdown, log or PDF files")
+    parser.add_argument("-q", "--question", action="append", required=True, dest="questions")
+    add_engine_arguments(parser)
+    add_method_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+    add_verbose_argument(parser)
+    parser.set_defaults(handler=run_ask)
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    terminal.capture(None, "ask", verbose=args.verbose)
+    return ask_files(
+        [Path(p) for p in args.paths],
+        args.questions,
+        engine_spec(args),
+        method_config(args),
+        as_json=args.json,
+    )
 
 
 def ask_files(

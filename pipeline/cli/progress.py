@@ -1,61 +1,22 @@
-"""Live progress of a corpus job, read from the state store while the job runs.
+"""Live progress on the terminal: a bar for `ask`, `run` and `demo`, lines for a plain log.
 
-Every model call is checkpointed in the state store, so the store knows how far the run is,
-wherever its actors run. A watcher thread on the driver polls it and hands each reading to a
-callback: a progress bar for the command line, a log line for a DAG task.
+The readings come from the job's watcher (`pipeline.job.watching`), or from `ask`'s chains.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from connectors.state_store import RunProgress, StateStore, StateStoreError
+from connectors.state.store import RunProgress
+from pipeline.job import ProgressCallback
 
 logger = logging.getLogger(__name__)
-ProgressCallback = Callable[[RunProgress], None]
-
-
-@contextmanager
-def watching(
-    store: StateStore, run_id: str, attempt: int, report: ProgressCallback, interval_s: float
-) -> Iterator[None]:
-    """Calls `report` every `interval_s` seconds while the block runs, and once at its end."""
-    stop = threading.Event()
-
-    def poll() -> None:
-        while True:
-            stopping = stop.wait(interval_s)
-            try:
-                report(store.progress(run_id, attempt))
-            except StateStoreError as error:  # progress is a courtesy; the job goes on
-                logger.debug("progress unavailable: %s", error)
-            if stopping:
-                return
-
-    thread = threading.Thread(target=poll, name="memstream-progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-
-
-def log_progress(progress: RunProgress) -> None:
-    logger.info(
-        "model calls %d/%d, chains answered %d/%d",
-        progress.steps_done,
-        progress.steps_planned,
-        progress.chains_done,
-        progress.chains_planned,
-    )
 
 
 @contextmanager

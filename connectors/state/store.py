@@ -46,8 +46,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from connectors.sql import redacted, with_default_driver
 
 if TYPE_CHECKING:
-    from pipeline.core.chain import MemoryChain
-    from pipeline.runner import StepRecord
+    from pipeline.core.chain import MemoryChain, StepRecord
 
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")

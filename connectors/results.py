@@ -19,9 +19,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from connectors.state_store import StateStore
-
-from .config import MethodConfig
+from connectors.state.store import StateStore
+from pipeline.config import MethodConfig
 
 ROWS_PER_BATCH = 1000
 TIMESTAMP = pa.timestamp("ms", tz="UTC")

@@ -1,0 +1,230 @@
+"""The memory operator: plans in, one result row per chain out, on an actor pool of engines.
+
+Each actor owns one engine and drives every chain of every batch it holds concurrently, so the
+engine batches steps across documents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+
+from connectors.state.store import DONE, Checkpoint, StateStore, StepCheckpoint
+from operators.run import RunContext
+from pipeline.core.chain import MemoryChain, StepRecord
+from pipeline.core.evidence import find_evidence
+from pipeline.core.segmentation import Segment
+from pipeline.engines.factory import open_engine
+from pipeline.runner import ChainRunner
+
+logger = logging.getLogger(__name__)
+
+# Ray kills an exiting actor's child processes before any Python teardown runs, so the engine
+# would lose its processes while alive (and log EngineDeadError). With this off in the memory
+# actors, MemoryStage.close shuts the engine down in order at exit; vLLM's own processes still
+# exit when their parent dies.
+ENGINE_ACTOR_ENV = {"RAY_kill_child_processes_on_worker_exit": "false"}
+
+RESULT_SCHEMA = pa.schema(
+    [
+        ("source_uri", pa.string()),
+        ("doc_id", pa.string()),
+        ("question_id", pa.string()),
+        ("chain_key", pa.string()),
+        ("status", pa.string()),  # done, failed, or skipped (answered by an earlier attempt)
+        ("start_step", pa.int64()),
+        ("steps_run", pa.int64()),
+        ("n_steps", pa.int64()),
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
+        ("elapsed_s", pa.float64()),
+        ("error", pa.string()),
+    ]
+)
+
+
+class MemoryStage:
+    """Plans in, one result row per chain out. Each actor owns one engine; `__call__` is async,
+    so the batches an actor holds run side by side on one event loop and their chains' steps
+    meet in the engine's continuous batch. Every step is checkpointed before the chain moves
+    on; a chain resumes from its last checkpoint, and an answered one is skipped. The engine
+    is built when the first chain needs it, so a rerun whose chains are all answered costs no
+    engine start-up."""
+
+    def __init__(self, run: RunContext, max_active_chains: int, longest_first: bool = True) -> None:
+        self.run = run
+        self.store = StateStore(run.store_url)
+        self.chain_config = run.method.chain()
+        self.max_active_chains = max_active_chains
+        self.longest_first = longest_first
+        self.engine: Any = None
+        self._runner: ChainRunner | None = None
+        self._runner_lock = asyncio.Lock()
+        # Store calls block; one thread per actor keeps them off the event loop, in order.
+        self._store_thread = ThreadPoolExecutor(1, thread_name_prefix="memstream-store")
+        self._closed = threading.Event()
+
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        documents = batch.to_pylist()
+        results = await asyncio.gather(*(self._run_document(d) for d in documents))
+        return pa.Table.from_pylist([r for rows in results for r in rows], schema=RESULT_SCHEMA)
+
+    async def _run_document(self, document: dict[str, Any]) -> list[dict[str, Any]]:
+        segments = None
+        if document["segments"] is not None:
+            segments = [Segment(document["doc_id"], **s) for s in document["segments"]]
+        return list(
+            await asyncio.gather(
+                *(self._run_chain(document, segments, planned) for planned in document["chains"])
+            )
+        )
+
+    async def _run_chain(
+        self,
+        document: dict[str, Any],
+        segments: list[Segment] | None,
+        planned: dict[str, Any],
+    ) -> dict[str, Any]:
+        key = planned["chain_key"]
+        row = {
+            "source_uri": document["source_uri"],
+            "doc_id": document["doc_id"],
+            "question_id": planned["question_id"],
+            "chain_key": key,
+            "status": "failed",
+            "start_step": 0,
+            "steps_run": 0,
+            "n_steps": 0 if segments is None else len(segments) + 1,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "elapsed_s": 0.0,
+            "error": None,
+        }
+        try:
+            checkpoint: Checkpoint | None = await self._in_store(self.store.load_checkpoint, key)
+            if checkpoint is not None and checkpoint.status == DONE:
+                if segments is not None and (
+                    answered := await self._in_store(self.store.ungrounded_answer, key)
+                ):
+                    answer, memory = answered
+                    await self._ground(key, planned["question"], answer, memory, segments,
+                                       document["page_starts"])  # fmt: skip
+                return row | {"status": "skipped", "start_step": checkpoint.step}
+            if segments is None:
+                raise RuntimeError("the document was planned as answered; run the job again")
+            start_step = min(checkpoint.step if checkpoint else 0, len(segments))
+            memory = checkpoint.memory if checkpoint and start_step > 0 else None
+            chain = MemoryChain(
+                key,
+                planned["question"],
+                segments,
+                self.chain_config,
+                memory=memory,
+                start_step=start_step,
+            )
+            runner = await self._chain_runner()
+            await self._in_store(self.store.mark_running, key, self.run.run_id)
+            result = await runner.run_chain(chain, self._checkpoint)
+        except Exception as error:  # e.g. the store is unreachable: recorded, resumable later
+            logger.exception("chain %s failed", key)
+            message = f"{type(error).__name__}: {error}"
+            await self._mark_failed(key, message)
+            return row | {"error": message}
+        if result.status != "ok":
+            await self._mark_failed(key, result.error or "unknown error")
+        else:
+            await self._ground(key, planned["question"], result.answer, result.final_memory,
+                               segments, document["page_starts"])  # fmt: skip
+        return row | {
+            "status": "done" if result.status == "ok" else "failed",
+            "start_step": start_step,
+            "steps_run": len(result.trajectory),
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "elapsed_s": result.elapsed_s,
+            "error": result.error,
+        }
+
+    async def _chain_runner(self) -> ChainRunner:
+        async with self._runner_lock:
+            if self._runner is None:
+                # Blocks the actor's event loop while the engine starts; no chain of this
+                # actor could move without it anyway.
+                self.engine = open_engine(self.run.engine)
+                # Ray Data's async actors keep the UDF referenced until the process exits, so
+                # __del__ would come too late: multiprocessing's exit hook would wait forever
+                # on the engine's processes. Exit hooks run last-registered first; registered
+                # here, after the engine imported multiprocessing, this one runs before it.
+                atexit.register(self.close)
+                self._runner = ChainRunner(
+                    self.engine,
+                    self.run.method.sampling(),
+                    self.max_active_chains,
+                    longest_first=self.longest_first,
+                )
+            return self._runner
+
+    async def _checkpoint(self, chain: MemoryChain, record: StepRecord) -> None:
+        await self._in_store(self.store.record_step, StepCheckpoint.after(chain, record))
+
+    async def _ground(
+        self,
+        key: str,
+        question: str,
+        answer: str | None,
+        memory: str,
+        segments: Sequence[Segment],
+        page_starts: Sequence[int] | None,
+    ) -> None:
+        """Finds the answer's evidence in the source and records it; a failure here costs the
+        answer its evidence, never the answer."""
+        try:
+            grounding = await asyncio.get_running_loop().run_in_executor(
+                None,
+                functools.partial(
+                    find_evidence, question, answer, memory, segments, page_starts or None,
+                ),
+            )  # fmt: skip
+            evidence = [item.as_dict() for item in grounding.evidence]
+            await self._in_store(
+                self.store.record_grounding, key, grounding.grounded, grounding.reason, evidence
+            )
+        except Exception:
+            logger.exception("cannot find the evidence of chain %s", key)
+
+    async def _mark_failed(self, key: str, message: str) -> None:
+        try:
+            await self._in_store(self.store.mark_failed, key, message)
+        except Exception:
+            logger.exception("cannot record the failure of chain %s", key)
+
+    async def _in_store(self, call: Any, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._store_thread, functools.partial(call, *args))
+
+    def close(self) -> None:
+        """Shuts the engine down. Called from the actor's main thread at teardown; vLLM's
+        shutdown is synchronous inside, so it needs no event loop of the actor's."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                asyncio.run(engine.shutdown())
+            except Exception:
+                logger.warning("engine shutdown failed", exc_info=True)
+        self._store_thread.shutdown(wait=True)
+        self.store.close()
+
+    def __del__(self) -> None:
+        if hasattr(self, "_closed"):
+            self.close()

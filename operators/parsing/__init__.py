@@ -1,0 +1,72 @@
+"""Turn the raw bytes of one untrusted input document into plain text.
+
+`parse_document` is the only entry point. It either returns a `ParsedDocument` or raises
+`ParseError` with a short reason meant for people (an error row, a CLI message); any other
+exception would be a bug in this module, so unexpected library failures are turned into a
+`ParseError` as well.
+
+Formats: PDF (unstructured "fast" when it can run offline, else pdfminer.six; pypdf opens the
+file first to tell encryption and a broken page tree apart from "no text"), DOCX (python-docx),
+HTML (BeautifulSoup), Markdown, plain text in common encodings, and logs; any of them may come
+gzip-, bzip2- or xz-compressed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from operators.parsing.base import ParsedDocument, ParseError, describe_error
+from operators.parsing.docx_text import parse_docx
+from operators.parsing.formats import (
+    decompress,
+    detect_format,
+    file_name_of,
+    format_extension,
+    split_mime_type,
+)
+from operators.parsing.html_text import parse_html
+from operators.parsing.pdf_text import parse_pdf
+from operators.parsing.plain_text import parse_plain_text
+
+__all__ = ["ParseError", "ParsedDocument", "parse_document"]
+_logger = logging.getLogger(__name__)
+
+
+def parse_document(data: bytes, name: str, mime_type: str | None = None) -> ParsedDocument:
+    """Extract the text of one document.
+
+    `name` is the file name or URI; its extension picks the format (`.gz`, `.bz2` and `.xz` are
+    unpacked first and the inner extension counts, as in `app.log.1.gz`). Content sniffing wins
+    over a missing, unknown or wrong extension. `mime_type` is an optional hint from the source
+    (e.g. an HTTP Content-Type) used when name and content do not tell; its charset parameter
+    decodes text that is not valid UTF-8.
+    """
+    try:
+        return _parse(data, file_name_of(name), mime_type)
+    except ParseError:
+        raise
+    except Exception as exc:
+        _logger.warning("unexpected failure while parsing %s", name, exc_info=True)
+        raise ParseError(f"could not parse: {type(exc).__name__}: {describe_error(exc)}") from exc
+
+
+def _parse(data: bytes, file_name: str, mime_type: str | None) -> ParsedDocument:
+    warnings: list[str] = []
+    data, file_name = decompress(data, file_name, warnings)
+    if not data.strip():
+        raise ParseError("empty document")
+    extension = format_extension(file_name)
+    declared_type, declared_charset = split_mime_type(mime_type)
+    document_format = detect_format(data, extension, declared_type, warnings)
+    if document_format == "pdf":
+        parsed = parse_pdf(data)
+    elif document_format == "docx":
+        parsed = parse_docx(data)
+    elif document_format == "html":
+        parsed = parse_html(data, declared_charset)
+    else:
+        parsed = parse_plain_text(data, document_format, declared_charset)
+    if warnings:
+        parsed = dataclasses.replace(parsed, warnings=(*warnings, *parsed.warnings))
+    return parsed

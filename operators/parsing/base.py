@@ -1,0 +1,58 @@
+"""What every parser returns or raises, and the text checks they share."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Decompressed archives and DOCX packages bigger than this are refused (decompression bombs).
+MAX_EXPANDED_BYTES = 1 << 30
+
+PDF_MIME = "application/pdf"
+DOCX_MIME = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
+HTML_MIME = "text/html"
+MARKDOWN_MIME = "text/markdown"
+TEXT_MIME = "text/plain"
+
+
+@dataclass(frozen=True)
+class ParsedDocument:
+    text: str
+    # "text", "markdown", "log", "html", "docx", "pdf:unstructured-fast" or "pdf:pdfminer"
+    parser: str
+    mime_type: str
+    pages: int | None  # PDFs; DOCX when the authoring application recorded it; else None
+    warnings: tuple[str, ...] = ()
+    # PDFs: the character offset in `text` where page i + 1 starts (a page without text holds
+    # only the blank line between its neighbours); empty for formats without pages.
+    page_starts: tuple[int, ...] = ()
+
+
+class ParseError(Exception):
+    """The document cannot be turned into text; `reason` says why, short and specific.
+
+    Examples: 'password required', 'no text layer (needs OCR)', 'damaged PDF: Invalid object in
+    /Pages', 'empty document', 'not a text file (binary content)', 'unsupported format: .pptx'.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+TRAILING_SPACES = re.compile(r"[ \t]+\n")
+EXTRA_BLANK_LINES = re.compile(r"\n{3,}")
+
+
+def normalize_newlines(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def checked_text(text: str) -> str:
+    if not text.strip():
+        raise ParseError("empty document")
+    return text
+
+
+def describe_error(exc: Exception) -> str:
+    return (str(exc).strip() or type(exc).__name__)[:200]

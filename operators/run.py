@@ -1,0 +1,62 @@
+"""What every operator knows of the run it works for: small, picklable, shipped to each worker."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from connectors.state.store import StateStore
+from pipeline.config import MethodConfig
+from pipeline.engines.factory import EngineSpec
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every stage needs to know about the run; small and picklable."""
+
+    run_id: str
+    attempt: int
+    store_url: str
+    engine: EngineSpec  # resolved: its dtype is concrete, and part of every chain's key
+    method: MethodConfig
+    questions: tuple[Question, ...]  # asked of every document
+
+    def chain_key(self, content_sha256: str, question: str) -> str:
+        identity = {
+            "content_sha256": content_sha256,
+            "question": question,
+            "model": self.engine.model,
+            "tokenizer": self.engine.tokenizer or self.engine.model,
+            "dtype": self.engine.dtype,
+            "method": self.method.as_dict(),
+        }
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+    def questions_for(self, own_questions: Sequence[str]) -> list[Question]:
+        """The run's questions, then the document's own ones it does not already ask."""
+        asked = list(self.questions)
+        known = {question.text for question in asked}
+        for index, text in enumerate(own_questions):
+            if text not in known:
+                known.add(text)
+                asked.append(Question(f"d{index}", text))
+        return asked
+
+
+def doc_id_of(uri: str) -> str:
+    return hashlib.sha256(uri.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def open_store(url: str) -> StateStore:
+    """One store (and connection pool) per worker process."""
+    return StateStore(url)

@@ -1,0 +1,72 @@
+"""The `memstream` command line.
+
+Each command is a module of this package with a `register(subcommands)`; commands that live
+higher up (`serve`, in `serving`) register through the `memstream.commands` entry point, so
+nothing here imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+from pipeline.cli import ask, demo, env, evaluate, models, report, run, terminal
+from pipeline.cli.flags import EXIT_INTERRUPTED, EXIT_USAGE, UserError
+from pipeline.engines.base import EngineError
+from pipeline.engines.models import ModelError
+
+COMMANDS = (ask, demo, report, run, evaluate, env, models)
+PLUGIN_GROUP = "memstream.commands"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # stdout carries results (e.g. `ask --json`); vLLM logs to stdout unless told otherwise.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except (UserError, ModelError, EngineError, ValueError, OSError) as error:
+        if os.environ.get("MEMSTREAM_DEBUG"):
+            raise
+        return _fail(f"memstream: error: {error}", EXIT_USAGE)
+    except KeyboardInterrupt:
+        return _fail("memstream: interrupted; rerun the same command to resume", EXIT_INTERRUPTED)
+    except Exception as error:  # an unexpected failure: still one line, the traceback on demand
+        if os.environ.get("MEMSTREAM_DEBUG"):
+            raise
+        return _fail(
+            f"memstream: error: {type(error).__name__}: {error} "
+            "(set MEMSTREAM_DEBUG=1 to see the traceback)",
+            EXIT_USAGE,
+        )
+
+
+def _fail(message: str, code: int) -> int:
+    """One line on the terminal; the log, when there is one, keeps the rest."""
+    err = terminal.current().err
+    log_path = terminal.current().log_path
+    print(message + (f" (log: {log_path})" if log_path else ""), file=err, flush=True)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memstream",
+        description="Answer questions about documents far longer than a context window.",
+    )
+    subcommands = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.register(subcommands)
+    for plugin in entry_points(group=PLUGIN_GROUP):
+        plugin.load()(subcommands)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

