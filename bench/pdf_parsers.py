@@ -1,25 +1,41 @@
 """PDF parser default (issue 16 item 7): unstructured's partition_pdf(strategy="fast") against
-pdfminer.six, each run the way memstream runs it, on the CUAD contract PDFs with gold clauses.
+pdfminer.six, on the CUAD contract PDFs with gold clauses.
 
-Both parsers go through memstream's public `operators.parsing.parse_document` on the PDF bytes,
-so the figures include what memstream does around them (pypdf opens the file first, pages are
-joined with a blank line). The pdfminer run replaces the module's `_unstructured_pdf_partitioner`
-with one that returns None, which is what memstream sees when unstructured cannot run offline.
-The unstructured run needs `en_core_web_sm` and the `unstructured[pdf]` pieces importable, e.g.
-installed into a folder outside the venv and put on PYTHONPATH; a run whose document fell back
-to pdfminer is flagged.
+pdfminer: memstream's public `operators.parsing.parse_document` on the PDF bytes, called as-is
+(memstream parses PDFs with pdfminer only; a result with another `parser` is flagged).
+
+unstructured: memstream no longer has an unstructured path, so this module calls
+`unstructured.partition.pdf.partition_pdf(file=io.BytesIO(data), strategy="fast",
+languages=["eng"])` itself and builds the text the way memstream's `parse_pdf` did with the
+since-removed `_extract_pdf_text_with_unstructured` (git history of operators/parsing/pdf_text.py):
+pypdf opens the file first (non-strict;
+an encrypted file that the empty password does not open stops there) and gives the page count;
+each element with non-blank text is put under its `metadata.page_number` (1 when missing), its
+text through `operators.parsing.base.normalize_newlines`; a page's texts are joined with "\\n\\n",
+and the non-empty pages are joined with "\\n\\n" in page-number order. No fallback: a
+partition_pdf exception or an all-blank result is recorded as an error, and memstream's
+warnings (damage, image-only pages, unmapped glyphs) are not computed for this run. It needs
+`en_core_web_sm` and the `unstructured[pdf]` pieces importable, e.g. installed into a folder
+outside the venv and put on PYTHONPATH (/tmp/spacy-model holds them on the machine the results
+came from).
 
 Gold: every distinct non-empty CUAD `context_spans` string of a contract counts once. A span is
 found when it is a substring of the parsed text under one of three comparisons, the same on both
 sides: strict (no change), whitespace-collapsed (every run of whitespace becomes one space, ends
 stripped; the headline figure), and whitespace-free (all whitespace removed; diagnostic only).
 
-Timing: time.perf_counter around each parse_document call; one untimed-in-the-table cold call of
-each parser first (the unstructured one loads spaCy's model), then `--rounds` rounds over all
-documents with the two parsers interleaved per document, the first of the pair alternating. A
-document's time is its median over the rounds; seconds per page = sum of medians / sum of pages.
+Timing: time.perf_counter around one document's parse. pdfminer: the whole parse_document call
+(format detection, pypdf open and page count, pdfminer extraction and per-page cleanup, page
+join, memstream's warning checks). unstructured: pypdf open and page count, partition_pdf, and
+the grouping and joining above; not memstream's format detection or warning checks, which the
+removed code path also ran (no pdfminer or partition work; the only page access is the image
+check of pages without text). One untimed-in-the-table cold
+call of each parser first (the unstructured one loads spaCy's model), then `--rounds` rounds over
+all documents with the two parsers interleaved per document, the first of the pair alternating.
+A document's time is its median over the rounds; seconds per page = sum of medians / sum of
+pages.
 
-    PYTHONPATH=/tmp/spacy-model .venv/bin/python bench/pdf_parsers.py
+    PYTHONPATH=/tmp/spacy-model .venv/bin/python bench/pdf_parsers.py [--rounds N]
 """
 
 from __future__ import annotations
@@ -29,6 +45,8 @@ import contextlib
 import datetime
 import importlib
 import importlib.metadata
+import importlib.util
+import io
 import json
 import logging
 import os
@@ -39,9 +57,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
-from unittest import mock
 
 os.environ.setdefault("DO_NOT_TRACK", "true")
 os.environ.setdefault("UNSTRUCTURED_DISABLE_NOTICE", "1")
@@ -52,6 +68,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from operators.parsing import ParseError, parse_document  # noqa: E402
+from operators.parsing.base import normalize_newlines  # noqa: E402
 
 CORPORA = REPO.parent / "shared" / "corpora"
 RESULTS = REPO / "bench" / "results"
@@ -60,8 +77,6 @@ TIMING_ONLY_DIR = CORPORA / "pdfs" / "reports"
 BAD_DIR = CORPORA / "pdfs" / "bad"
 PARSERS = ("pdfminer", "unstructured")
 PARSER_NAMES = {"pdfminer": "pdf:pdfminer", "unstructured": "pdf:unstructured-fast"}
-# Modules that have held the PDF code while operators/ is being reorganised.
-PDF_MODULES = ("operators.parsing.pdf_text", "operators.parsing")
 VERSIONED = (
     "unstructured",
     "pdfminer.six",
@@ -85,6 +100,7 @@ class Run:
     parser_used: str = ""
     pages: int = 0
     chars: int = 0
+    words: int = 0  # whitespace-separated tokens
     warnings: list[str] = field(default_factory=list)
     error: str | None = None
     seconds: list[float] = field(default_factory=list)
@@ -95,36 +111,78 @@ class Run:
         return statistics.median(self.seconds) if self.seconds else float("nan")
 
 
-def pdf_module() -> ModuleType:
-    for name in PDF_MODULES:
-        with contextlib.suppress(ImportError):
-            module = importlib.import_module(name)
-            if hasattr(module, "_unstructured_pdf_partitioner"):
-                return module
-    raise SystemExit(f"no _unstructured_pdf_partitioner in any of {PDF_MODULES}")
+@dataclass(frozen=True)
+class Extracted:
+    """The unstructured run's output, with the ParsedDocument fields that `record` reads."""
+
+    text: str
+    parser: str
+    pages: int
+    warnings: tuple[str, ...] = ()
 
 
-def parse_with(parser: str, module: ModuleType, data: bytes, name: str) -> tuple[Any, float]:
-    """parse_document on the bytes, with unstructured hidden for the pdfminer run."""
-    patch: contextlib.AbstractContextManager[Any] = (
-        mock.patch.object(module, "_unstructured_pdf_partitioner", lambda: None)
-        if parser == "pdfminer"
-        else contextlib.nullcontext()
-    )
-    with patch:
+@dataclass(frozen=True)
+class Failed:
+    reason: str
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def unstructured_text(partition_pdf: Callable[..., list[Any]], data: bytes) -> Extracted | Failed:
+    """The text memstream's removed unstructured path gave parse_document (see the docstring)."""
+    from pypdf import PasswordType, PdfReader
+
+    try:
+        reader = PdfReader(io.BytesIO(data), strict=False)
+        if reader.is_encrypted and reader.decrypt("") == PasswordType.NOT_DECRYPTED:
+            return Failed("pypdf: password required")
+        page_count = len(reader.pages)
+    except Exception as exc:
+        return Failed(f"pypdf: {describe(exc)}")
+    try:
+        elements = partition_pdf(file=io.BytesIO(data), strategy="fast", languages=["eng"])
+    except Exception as exc:
+        return Failed(f"partition_pdf: {describe(exc)}")
+    texts_by_page: dict[int, list[str]] = {number: [] for number in range(1, page_count + 1)}
+    for element in elements:
+        if element.text and element.text.strip():
+            page_number = element.metadata.page_number or 1
+            texts_by_page.setdefault(page_number, []).append(normalize_newlines(element.text))
+    page_texts = {number: "\n\n".join(texts) for number, texts in texts_by_page.items()}
+    text = "\n\n".join(page_text for _, page_text in sorted(page_texts.items()) if page_text)
+    if not text.strip():
+        return Failed("partition_pdf: no text")
+    return Extracted(text, PARSER_NAMES["unstructured"], page_count)
+
+
+Parse = Callable[[str, bytes, str], tuple[Any, float]]
+
+
+def parser_runner(partition_pdf: Callable[..., list[Any]]) -> Parse:
+    def parse_with(parser: str, data: bytes, name: str) -> tuple[Any, float]:
+        """One timed parse: parse_document as-is for pdfminer, partition_pdf for unstructured."""
         started = time.perf_counter()
-        try:
-            result: Any = parse_document(data, name)
-        except ParseError as exc:
-            result = exc
+        result: Any
+        if parser == "pdfminer":
+            try:
+                result = parse_document(data, name)
+            except ParseError as exc:
+                result = Failed(exc.reason)
+        else:
+            result = unstructured_text(partition_pdf, data)
         return result, time.perf_counter() - started
+
+    return parse_with
 
 
 def record(run: Run, result: Any, seconds: float | None) -> None:
-    if isinstance(result, ParseError):
+    if isinstance(result, Failed):
         run.error = result.reason
     else:
         run.parser_used, run.pages, run.chars = result.parser, result.pages or 0, len(result.text)
+        run.words = len(result.text.split())
         run.warnings, run.text = list(result.warnings), result.text
     if seconds is not None:
         run.seconds.append(seconds)
@@ -198,14 +256,14 @@ def quiet_unstructured() -> Iterator[None]:
 
 
 def measure(
-    module: ModuleType, documents: list[tuple[str, bytes]], rounds: int
+    parse_with: Parse, documents: list[tuple[str, bytes]], rounds: int
 ) -> dict[str, dict[str, Run]]:
     runs = {name: {parser: Run() for parser in PARSERS} for name, _ in documents}
     for round_index in range(rounds):
         for doc_index, (name, data) in enumerate(documents):
             order = PARSERS if (round_index + doc_index) % 2 == 0 else PARSERS[::-1]
             for parser in order:
-                result, seconds = parse_with(parser, module, data, name)
+                result, seconds = parse_with(parser, data, name)
                 record(runs[name][parser], result, seconds)
     return runs
 
@@ -224,22 +282,25 @@ def runs_of(runs: dict[str, dict[str, Run]], parser: str) -> list[Run]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--labels", type=Path, default=LABELS)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timing-only-dir", type=Path, default=TIMING_ONLY_DIR, help="'' to skip")
     parser.add_argument("--bad-dir", type=Path, default=BAD_DIR, help="'' to skip")
     parser.add_argument("--out", type=Path, default=RESULTS / "pdf_parsers")
     args = parser.parse_args()
 
-    module = pdf_module()
+    # unstructured would otherwise try to download en_core_web_sm into site-packages.
+    if importlib.util.find_spec("en_core_web_sm") is None:
+        raise SystemExit("en_core_web_sm is not importable (put it on PYTHONPATH)")
     started = time.perf_counter()
-    with quiet_unstructured():
-        partitioner = module._unstructured_pdf_partitioner()
-    import_seconds = time.perf_counter() - started
-    if partitioner is None:
+    try:
+        with quiet_unstructured():
+            partition_pdf = importlib.import_module("unstructured.partition.pdf").partition_pdf
+    except ImportError as exc:
         raise SystemExit(
-            "unstructured cannot run here: en_core_web_sm or unstructured[pdf] is not importable "
-            "(put them on PYTHONPATH)"
-        )
+            f"unstructured[pdf] is not importable ({exc}); put it on PYTHONPATH"
+        ) from exc
+    import_seconds = time.perf_counter() - started
+    parse_with = parser_runner(partition_pdf)
 
     gold = json.loads(args.labels.read_text(encoding="utf-8"))
     contracts = []
@@ -254,22 +315,22 @@ def main() -> None:
     with quiet_unstructured():
         for parser_name in PARSERS:  # pdfminer first: its imports must not count for unstructured
             cold_name, cold_data = documents[0]
-            _, cold[parser_name] = parse_with(parser_name, module, cold_data, cold_name)
-        runs = measure(module, documents, args.rounds)
+            _, cold[parser_name] = parse_with(parser_name, cold_data, cold_name)
+        runs = measure(parse_with, documents, args.rounds)
         extra: list[tuple[str, bytes]] = []
         if str(args.timing_only_dir) not in ("", "."):
             extra = [(p.name, p.read_bytes()) for p in sorted(args.timing_only_dir.glob("*.pdf"))]
-        extra_runs = measure(module, extra, args.rounds) if extra else {}
+        extra_runs = measure(parse_with, extra, args.rounds) if extra else {}
         bad: dict[str, dict[str, Run]] = {}
         if str(args.bad_dir) not in ("", "."):
             for path in sorted(args.bad_dir.glob("*.pdf")):
                 bad[path.name] = {}
                 for parser_name in PARSERS:
                     bad[path.name][parser_name] = Run()
-                    result, _ = parse_with(parser_name, module, path.read_bytes(), path.name)
+                    result, _ = parse_with(parser_name, path.read_bytes(), path.name)
                     record(bad[path.name][parser_name], result, None)
 
-    rows, totals = [], {p: {"pages": 0, "chars": 0, "spans": 0} for p in PARSERS}
+    rows, totals = [], {p: {"pages": 0, "chars": 0, "words": 0, "spans": 0} for p in PARSERS}
     found = {p: {c: 0 for c in COMPARISONS} for p in PARSERS}
     for name, _, spans in contracts:
         row: dict[str, Any] = {"document": name, "spans": len(spans)}
@@ -280,14 +341,16 @@ def main() -> None:
                 found[parser_name][comparison] += sum(flags)
             totals[parser_name]["pages"] += run.pages
             totals[parser_name]["chars"] += run.chars
+            totals[parser_name]["words"] += run.words
             totals[parser_name]["spans"] += len(spans)
             row[parser_name] = {
                 "parser_used": run.parser_used,
-                "fell_back_to_pdfminer": parser_name == "unstructured"
-                and run.parser_used != PARSER_NAMES["unstructured"],
+                "unexpected_parser": bool(run.parser_used)
+                and run.parser_used != PARSER_NAMES[parser_name],
                 "error": run.error,
                 "pages": run.pages,
                 "chars": run.chars,
+                "words": run.words,
                 "found": {c: sum(flags) for c, flags in hits.items()},
                 "missed_ws_collapsed": [
                     span[:160]
@@ -304,6 +367,7 @@ def main() -> None:
         parser_name: {
             "pages": totals[parser_name]["pages"],
             "chars": totals[parser_name]["chars"],
+            "words": totals[parser_name]["words"],
             "spans": totals[parser_name]["spans"],
             "found": found[parser_name],
             "share": {
@@ -321,6 +385,7 @@ def main() -> None:
                 parser_name: {
                     "parser_used": by_parser[parser_name].parser_used,
                     "chars": by_parser[parser_name].chars,
+                    "words": by_parser[parser_name].words,
                     "median_seconds": by_parser[parser_name].median_seconds,
                     "seconds": by_parser[parser_name].seconds,
                     "error": by_parser[parser_name].error,
@@ -354,7 +419,8 @@ def main() -> None:
         "load_average_at_end": os.getloadavg(),
         "python": platform.python_version(),
         "versions": versions(),
-        "pdf_module": module.__name__,
+        "pdfminer_via": "operators.parsing.parse_document",
+        "unstructured_via": "unstructured.partition.pdf.partition_pdf, called by this module",
         "rounds": args.rounds,
         "unstructured_import_seconds": import_seconds,
         "cold_first_call_seconds": cold,
@@ -380,8 +446,8 @@ def render(report: dict[str, Any]) -> str:
         f"Date {report['date']}; CPU {c['model_name']} ({c['cores']} cores, "
         f"avx2={c['avx2']}, avx512f={c['avx512f']}); load average at end "
         f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])} (other jobs ran); "
-        f"Python {report['python']}; {report['rounds']} timed rounds; memstream module "
-        f"`{report['pdf_module']}`.",
+        f"Python {report['python']}; {report['rounds']} timed rounds; pdfminer via memstream's "
+        f"`{report['pdfminer_via']}`, unstructured via `{report['unstructured_via']}`.",
         "",
         "Versions: "
         + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v is not None)
@@ -389,30 +455,33 @@ def render(report: dict[str, Any]) -> str:
         "",
         "## CUAD contracts with gold clause spans",
         "",
-        "| document | pages | spans | parser | chars | found strict | found ws-collapsed "
+        "| document | pages | spans | parser | chars | words | found strict | found ws-collapsed "
         "| found ws-free | median s | s/page |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in report["contracts"]:
         for parser_name in PARSERS:
             r = row[parser_name]
-            used = r["parser_used"] + (" (FELL BACK)" if r["fell_back_to_pdfminer"] else "")
+            used = (r["parser_used"] or f"error: {r['error']}") + (
+                " (UNEXPECTED)" if r["unexpected_parser"] else ""
+            )
             lines.append(
                 f"| {row['document'][:40]} | {r['pages']} | {row['spans']} | {used} "
-                f"| {r['chars']} | {r['found']['strict']} | {r['found']['ws_collapsed']} "
+                f"| {r['chars']} | {r['words']} | {r['found']['strict']} "
+                f"| {r['found']['ws_collapsed']} "
                 f"| {r['found']['ws_free']} | {r['median_seconds']:.3f} "
                 f"| {r['median_seconds'] / max(r['pages'], 1):.4f} |"
             )
     lines += [
         "",
-        "| parser | pages | chars | spans | share strict | share ws-collapsed | share ws-free "
-        "| s/page |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| parser | pages | chars | words | spans | share strict | share ws-collapsed "
+        "| share ws-free | s/page |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for parser_name in PARSERS:
         p = s[parser_name]
         lines.append(
-            f"| {parser_name} | {p['pages']} | {p['chars']} | {p['spans']} "
+            f"| {parser_name} | {p['pages']} | {p['chars']} | {p['words']} | {p['spans']} "
             f"| {p['share']['strict']:.3f} ({p['found']['strict']}) "
             f"| {p['share']['ws_collapsed']:.3f} ({p['found']['ws_collapsed']}) "
             f"| {p['share']['ws_free']:.3f} ({p['found']['ws_free']}) "
@@ -422,7 +491,7 @@ def render(report: dict[str, Any]) -> str:
         "",
         f"Time ratio unstructured / pdfminer: {s['ratio_unstructured_to_pdfminer']:.2f}.",
         "",
-        f"Import of unstructured.partition.pdf (memstream's `_unstructured_pdf_partitioner()`): "
+        f"Import of unstructured.partition.pdf: "
         f"{report['unstructured_import_seconds']:.2f} s. First call on "
         f"{report['cold_document'][:40]}: pdfminer "
         f"{report['cold_first_call_seconds']['pdfminer']:.2f} s, unstructured "
@@ -434,15 +503,23 @@ def render(report: dict[str, Any]) -> str:
             "",
             "## Timing only (no gold): shared/corpora/pdfs/reports",
             "",
-            "| document | pages | pdfminer chars | unstructured chars | pdfminer median s "
+            "| document | pages | pdfminer chars | unstructured chars | pdfminer words "
+            "| unstructured words | pdfminer median s "
             "| unstructured median s |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for row in t["documents"]:
             m, u = row["pdfminer"], row["unstructured"]
-            used = "" if u["parser_used"] == PARSER_NAMES["unstructured"] else " (FELL BACK)"
+            flags = {
+                name: " (ERROR)"
+                if row[name]["error"]
+                else ("" if row[name]["parser_used"] == PARSER_NAMES[name] else " (UNEXPECTED)")
+                for name in PARSERS
+            }
             lines.append(
-                f"| {row['document'][:40]} | {row['pages']} | {m['chars']} | {u['chars']}{used} "
+                f"| {row['document'][:40]} | {row['pages']} | {m['chars']}{flags['pdfminer']} "
+                f"| {u['chars']}{flags['unstructured']} "
+                f"| {m['words']} | {u['words']} "
                 f"| {m['median_seconds']:.3f} | {u['median_seconds']:.3f} |"
             )
         lines += [
@@ -454,7 +531,10 @@ def render(report: dict[str, Any]) -> str:
     if report["bad_pdfs"]:
         lines += [
             "",
-            "## Damaged, encrypted and scanned PDFs: what parse_document returns",
+            "## Damaged, encrypted and scanned PDFs",
+            "",
+            "pdfminer: what parse_document returns. unstructured: what the pypdf open and "
+            "partition_pdf above give (no memstream warnings are computed for it).",
             "",
             "| document | pdfminer | unstructured |",
             "| --- | --- | --- |",

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from connectors.state.store import StateStore
+from connectors.state.store import StateStore, trajectory_row
 from pipeline.config import MethodConfig
 
 ROWS_PER_BATCH = 1000
@@ -207,10 +207,6 @@ class ResultWriter:
     def _write_bytes(self, path: str, data: bytes) -> None:
         with self.filesystem.open_output_stream(path) as stream:
             stream.write(data)
-
-
-def trajectory_row(row: Mapping[str, Any]) -> dict[str, Any]:
-    return {**row, "rejected_quotes": json.loads(row["rejected_quotes"] or "[]")}
 
 
 def answer_row(row: Mapping[str, Any], run: RunIdentity) -> dict[str, Any]:

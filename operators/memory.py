@@ -11,18 +11,16 @@ import atexit
 import functools
 import logging
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
 
-from connectors.state.store import DONE, Checkpoint, StateStore, StepCheckpoint
+from connectors.state.store import StateStore
 from operators.run import RunContext
-from pipeline.core.chain import MemoryChain, StepRecord
-from pipeline.core.evidence import find_evidence
 from pipeline.core.segmentation import Segment
 from pipeline.engines.factory import open_engine
+from pipeline.resume import ChainWork, resume_chain
 from pipeline.runner import ChainRunner
 
 logger = logging.getLogger(__name__)
@@ -39,7 +37,8 @@ RESULT_SCHEMA = pa.schema(
         ("doc_id", pa.string()),
         ("question_id", pa.string()),
         ("chain_key", pa.string()),
-        ("status", pa.string()),  # done, failed, or skipped (answered by an earlier attempt)
+        # done, failed, skipped (answered by an earlier attempt) or stopped
+        ("status", pa.string()),
         ("start_step", pa.int64()),
         ("steps_run", pa.int64()),
         ("n_steps", pa.int64()),
@@ -93,64 +92,26 @@ class MemoryStage:
         segments: list[Segment] | None,
         planned: dict[str, Any],
     ) -> dict[str, Any]:
-        key = planned["chain_key"]
-        row = {
+        work = ChainWork(
+            planned["chain_key"], planned["question"], segments, document["page_starts"] or None
+        )
+        outcome = await resume_chain(
+            work, self._chain_runner, self.chain_config, self.store, self._in_store
+        )
+        result = outcome.result
+        return {
             "source_uri": document["source_uri"],
             "doc_id": document["doc_id"],
             "question_id": planned["question_id"],
-            "chain_key": key,
-            "status": "failed",
-            "start_step": 0,
-            "steps_run": 0,
+            "chain_key": work.chain_key,
+            "status": outcome.status,
+            "start_step": outcome.start_step,
+            "steps_run": len(result.trajectory) if result else 0,
             "n_steps": 0 if segments is None else len(segments) + 1,
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-            "elapsed_s": 0.0,
-            "error": None,
-        }
-        try:
-            checkpoint: Checkpoint | None = await self._in_store(self.store.load_checkpoint, key)
-            if checkpoint is not None and checkpoint.status == DONE:
-                if segments is not None and (
-                    answered := await self._in_store(self.store.ungrounded_answer, key)
-                ):
-                    answer, memory = answered
-                    await self._ground(key, planned["question"], answer, memory, segments,
-                                       document["page_starts"])  # fmt: skip
-                return row | {"status": "skipped", "start_step": checkpoint.step}
-            if segments is None:
-                raise RuntimeError("the document was planned as answered; run the job again")
-            start_step = min(checkpoint.step if checkpoint else 0, len(segments))
-            memory = checkpoint.memory if checkpoint and start_step > 0 else None
-            chain = MemoryChain(
-                key,
-                planned["question"],
-                segments,
-                self.chain_config,
-                memory=memory,
-                start_step=start_step,
-            )
-            runner = await self._chain_runner()
-            await self._in_store(self.store.mark_running, key, self.run.run_id)
-            result = await runner.run_chain(chain, self._checkpoint)
-        except Exception as error:  # e.g. the store is unreachable: recorded, resumable later
-            logger.exception("chain %s failed", key)
-            message = f"{type(error).__name__}: {error}"
-            await self._mark_failed(key, message)
-            return row | {"error": message}
-        if result.status != "ok":
-            await self._mark_failed(key, result.error or "unknown error")
-        else:
-            await self._ground(key, planned["question"], result.answer, result.final_memory,
-                               segments, document["page_starts"])  # fmt: skip
-        return row | {
-            "status": "done" if result.status == "ok" else "failed",
-            "start_step": start_step,
-            "steps_run": len(result.trajectory),
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "elapsed_s": result.elapsed_s,
-            "error": result.error,
+            "prompt_tokens": result.prompt_tokens if result else 0,
+            "completion_tokens": result.completion_tokens if result else 0,
+            "elapsed_s": result.elapsed_s if result else 0.0,
+            "error": outcome.error,
         }
 
     async def _chain_runner(self) -> ChainRunner:
@@ -171,40 +132,6 @@ class MemoryStage:
                     longest_first=self.longest_first,
                 )
             return self._runner
-
-    async def _checkpoint(self, chain: MemoryChain, record: StepRecord) -> None:
-        await self._in_store(self.store.record_step, StepCheckpoint.after(chain, record))
-
-    async def _ground(
-        self,
-        key: str,
-        question: str,
-        answer: str | None,
-        memory: str,
-        segments: Sequence[Segment],
-        page_starts: Sequence[int] | None,
-    ) -> None:
-        """Finds the answer's evidence in the source and records it; a failure here costs the
-        answer its evidence, never the answer."""
-        try:
-            grounding = await asyncio.get_running_loop().run_in_executor(
-                None,
-                functools.partial(
-                    find_evidence, question, answer, memory, segments, page_starts or None,
-                ),
-            )  # fmt: skip
-            evidence = [item.as_dict() for item in grounding.evidence]
-            await self._in_store(
-                self.store.record_grounding, key, grounding.grounded, grounding.reason, evidence
-            )
-        except Exception:
-            logger.exception("cannot find the evidence of chain %s", key)
-
-    async def _mark_failed(self, key: str, message: str) -> None:
-        try:
-            await self._in_store(self.store.mark_failed, key, message)
-        except Exception:
-            logger.exception("cannot record the failure of chain %s", key)
 
     async def _in_store(self, call: Any, *args: Any) -> Any:
         loop = asyncio.get_running_loop()

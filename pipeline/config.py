@@ -1,10 +1,15 @@
-"""The method's knobs as one flat, typed record: what a job spec, the CLI and the API share."""
+"""The method's knobs as one flat, typed record (what a job spec, the CLI and the API share),
+and the one way every configuration (job spec, serving settings) is read from plain data."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar, get_args, get_type_hints
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from pipeline.core.chain import (
     REFERENCE_MAX_ANSWER_TOKENS,
@@ -15,6 +20,11 @@ from pipeline.core.segmentation import REFERENCE_CHUNK_SIZE, SegmentationConfig
 from pipeline.core.templates import REFERENCE, SEGMENT_FIRST, VERIFIED_QUOTES, get_template_set
 from pipeline.engines.base import SamplingConfig
 from pipeline.engines.factory import DEFAULT_MODEL
+
+T = TypeVar("T")
+STRICT_KEYS = ConfigDict(extra="forbid")  # unknown keys are errors, at every level
+# Tokens a chat template adds around a rendered prompt (role markers), with a margin.
+CHAT_OVERHEAD_TOKENS = 32
 
 # The template set a model gets when none is named. For the small models that were not RL-trained,
 # the best measured by `memstream eval` (README, Accuracy); for every other model the reference,
@@ -72,3 +82,84 @@ def with_default_template(config: Mapping[str, Any]) -> dict[str, Any]:
     engine = config.get("engine") or {}
     model = engine.get("model", DEFAULT_MODEL) if isinstance(engine, Mapping) else DEFAULT_MODEL
     return {**config, "method": {**method, "template": default_template(model)}}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key and what is wrong."""
+
+
+def parse_config(cls: type[T], data: Any, where: str) -> T:
+    """A config record (a dataclass, sections nested) from plain data as YAML or flags give it.
+    Unknown keys and wrong values are refused, each named by its dotted path."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of settings, got {type(data).__name__}")
+    try:
+        return _adapter(cls).validate_python(data)
+    except ValidationError as error:
+        raise ConfigError(f"{where}: {_describe(error, cls)}") from None
+
+
+@functools.cache
+def _adapter(cls: type[T]) -> TypeAdapter[T]:
+    # The top record says `__pydantic_config__ = STRICT_KEYS`; its sections inherit it.
+    return TypeAdapter(cls)
+
+
+def _describe(error: ValidationError, cls: type) -> str:
+    problems = []
+    for problem in error.errors():
+        location = ".".join(str(part) for part in problem["loc"])
+        if problem["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            parent, _, key = location.rpartition(".")
+            allowed = _field_names(cls, parent)
+            problems.append(
+                f"unknown key {key!r}"
+                + (f" in {parent}" if parent else "")
+                + (f" (allowed: {', '.join(allowed)})" if allowed else "")
+            )
+        elif problem["type"] in ("missing", "missing_argument"):
+            problems.append(f"{location} is required")
+        else:
+            message = problem["msg"].removeprefix("Value error, ")
+            value = problem.get("input")
+            shown = "" if isinstance(value, (dict, list)) else f" (got {value!r})"
+            if problem["type"] == "value_error":  # from __post_init__: it names the field
+                shown = ""
+            problems.append(f"{location}: {message}{shown}" if location else message)
+    return "; ".join(problems)
+
+
+def _field_names(cls: type, dotted: str) -> list[str]:
+    """The keys the section at `dotted` (a path of field names from `cls`) allows."""
+    section: Any = cls
+    for name in filter(None, dotted.split(".")):
+        hints = get_type_hints(section) if dataclasses.is_dataclass(section) else {}
+        hint = hints.get(name)
+        candidates = [hint, *get_args(hint)]
+        section = next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+        if section is None:
+            return []
+    return [f.name for f in dataclasses.fields(section) if f.init]
+
+
+def check_context_fit(
+    method: MethodConfig, questions: Sequence[str], tokenizer: Any, max_model_len: int
+) -> None:
+    """Fails early, before any model call, when an update prompt (the template with the longest
+    question, a chunk and the memory read in) plus its reply (the memory written out) cannot
+    fit the model's context. Every entry point (ask, run, serve, eval) checks it."""
+    longest = max(questions, key=len, default="")
+    template = get_template_set(method.template).render_update(longest, "", "")
+    needed = (
+        len(tokenizer(template, add_special_tokens=False)["input_ids"])
+        + method.chunk_size
+        + 2 * method.max_memory_tokens
+        + CHAT_OVERHEAD_TOKENS
+    )
+    if needed > max_model_len:
+        raise ConfigError(
+            f"an update step needs up to {needed} tokens (chunk_size {method.chunk_size} + "
+            f"2 x max_memory_tokens {method.max_memory_tokens} + the prompt) but the model's "
+            f"max_model_len is {max_model_len}: lower the chunk size (method.chunk_size, "
+            "--chunk-size) or raise max_model_len (engine.max_model_len, --max-model-len)"
+        )

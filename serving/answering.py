@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.ask import DocumentInput, PreparedDocument, prepare
-from pipeline.config import MethodConfig
+from pipeline.config import ConfigError, MethodConfig, check_context_fit
 from pipeline.engines.base import Engine
 from pipeline.runner import ChainResult, ChainRunner, StepCallback
-from serving.documents import LoadedDocument
+from serving.documents import InputError, LoadedDocument
 from serving.schemas import Answer, AnswerResponse, DocumentInfo, usage_of
 
 
@@ -25,8 +25,9 @@ class DocumentPreparer:
     """Tokenizes and segments off the event loop, one document at a time: a Hugging Face fast
     tokenizer is not safe to call from several threads at once."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self._tokenizer = tokenizer
+        self._max_model_len = max_model_len
         self._lock = threading.Lock()
 
     async def prepare(
@@ -48,6 +49,10 @@ class DocumentPreparer:
         page_starts: tuple[int, ...],
     ) -> PreparedDocument:
         with self._lock:
+            try:
+                check_context_fit(method, questions, self._tokenizer, self._max_model_len)
+            except ConfigError as error:
+                raise InputError(422, str(error)) from None
             return prepare(
                 DocumentInput(doc_id, text, page_starts), questions, self._tokenizer, method
             )

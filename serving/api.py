@@ -23,6 +23,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from connectors.state.records import JobState, NewJob
+from connectors.state.schema import SUCCEEDED
+from connectors.state.store import JobConflict, StateStore, StateStoreError
 from pipeline.report import content_security_policy
 from serving.answering import SyncAnswerer
 from serving.config import LimitsConfig
@@ -44,7 +47,6 @@ from serving.schemas import (
     usage_of,
 )
 from serving.security import ApiKeys
-from serving.store import SUCCEEDED, JobConflict, JobState, JobStore, NewJob, StoreError
 
 logger = logging.getLogger("ray.serve")
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -60,7 +62,7 @@ class ApiServices:
     loader: DocumentLoader
     answerer: SyncAnswerer
     engine: ServeEngineClient
-    store: JobStore
+    store: StateStore
     worker: JobWorker
     metrics: ServingMetrics
     model: str
@@ -298,7 +300,7 @@ def build_api(services: ApiServices) -> FastAPI:
         """The job's audit report: answers with their evidence and grounded marks, and the
         memory after every segment (the page of `memstream report`); works while it runs."""
         job = await find_job(store, job_id)
-        trajectory = await asyncio.to_thread(store.trajectory, job)
+        trajectory = await asyncio.to_thread(store.job_trajectory, job)
         page = await asyncio.to_thread(job_report, job, trajectory, services.model)
         return HTMLResponse(page, headers={"Content-Security-Policy": content_security_policy()})
 
@@ -336,7 +338,7 @@ def build_api(services: ApiServices) -> FastAPI:
         """Cancels a queued or running job: its chains stop at once."""
         check_job_id(job_id)
         try:
-            found = await asyncio.to_thread(store.cancel, job_id)
+            found = await asyncio.to_thread(store.cancel_job, job_id)
         except JobConflict as conflict:
             raise HTTPException(409, str(conflict)) from None
         if not found:
@@ -364,8 +366,8 @@ def register_errors(app: FastAPI, limits: LimitsConfig) -> None:
         ]
         return JSONResponse({"detail": "; ".join(parts) or "invalid request"}, 422)
 
-    @app.exception_handler(StoreError)
-    async def store_error(_: Request, error: StoreError) -> JSONResponse:
+    @app.exception_handler(StateStoreError)
+    async def store_error(_: Request, error: StateStoreError) -> JSONResponse:
         logger.error("%s", error)
         return JSONResponse({"detail": "the job store is unavailable; try again shortly"}, 503)
 
@@ -380,7 +382,7 @@ def check_job_id(job_id: str) -> None:
         raise HTTPException(404, f"no job {job_id[:64]}")
 
 
-async def find_job(store: JobStore, job_id: str) -> JobState:
+async def find_job(store: StateStore, job_id: str) -> JobState:
     check_job_id(job_id)
     job = await asyncio.to_thread(store.get_job, job_id)
     if job is None:
@@ -424,7 +426,7 @@ def status_of(job: JobState) -> JobStatus:
 
 
 async def event_stream(
-    store: JobStore, job_id: str, after: int, poll_interval_s: float
+    store: StateStore, job_id: str, after: int, poll_interval_s: float
 ) -> AsyncIterator[str]:
     idle = 0.0
     while True:

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.state.store import StateStore
 from pipeline.config import MethodConfig
 from pipeline.engines.factory import EngineSpec, load_tokenizer
 from serving.answering import DocumentPreparer, SyncAnswerer
@@ -29,7 +30,6 @@ from serving.engine import EngineServer, ServeEngineClient
 from serving.jobs import JobWorker
 from serving.metrics import ServingMetrics
 from serving.security import ApiKeys
-from serving.store import JobStore
 from serving.uris import DocumentFetcher, UriPolicy
 
 APP_NAME = "memstream"
@@ -53,13 +53,14 @@ class ApiServer:
     """One API replica: its services, its job worker, and the FastAPI app over them."""
 
     async def __init__(self, settings: ApiSettings, engine_handle: Any) -> None:  # type: ignore[misc]
-        self.store = JobStore(settings.store_url)
+        self.store = StateStore(settings.store_url)
+        self.store.migrate()
         tokenizer = await asyncio.to_thread(load_tokenizer, settings.engine)
         replica = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        metrics = ServingMetrics(replica, self.store.count_by_status)
+        metrics = ServingMetrics(replica, self.store.count_jobs_by_status)
         policy = UriPolicy(settings.uris)
         loader = DocumentLoader(DocumentFetcher(policy, settings.limits.max_input_bytes))
-        preparer = DocumentPreparer(tokenizer)
+        preparer = DocumentPreparer(tokenizer, settings.engine.resolved_max_model_len)
         engine = ServeEngineClient(engine_handle, settings.engine.model)
         self.worker = JobWorker(self.store, loader, preparer, engine, settings.jobs, metrics)
         self.services = ApiServices(

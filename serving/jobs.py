@@ -18,19 +18,19 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from connectors.state.store import StepCheckpoint
+from connectors.state.records import ChainState, Checkpoint, JobInput, StepCheckpoint
+from connectors.state.schema import FAILED, SUCCEEDED
+from connectors.state.store import StateStore, StateStoreError
 from pipeline.config import MethodConfig
-from pipeline.core.chain import MemoryChain, StepRecord
-from pipeline.core.evidence import find_evidence
-from pipeline.core.segmentation import Segment
+from pipeline.core.evidence import Grounding
 from pipeline.engines.base import Completion, Engine, GenerationRequest
+from pipeline.resume import ChainWork, resume_chain
 from pipeline.runner import ChainRunner
 from serving.answering import DocumentPreparer, document_info
 from serving.config import JobsConfig
 from serving.documents import DocumentLoader, DocumentRequest, InputError
 from serving.engine import EngineUnavailable
 from serving.metrics import ServingMetrics
-from serving.store import FAILED, SUCCEEDED, ChainState, JobInput, JobStore, StoreError
 
 logger = logging.getLogger("ray.serve")
 STORE_RETRY_S = 2.0
@@ -39,7 +39,7 @@ STORE_RETRY_S = 2.0
 class JobWorker:
     def __init__(
         self,
-        store: JobStore,
+        store: StateStore,
         loader: DocumentLoader,
         preparer: DocumentPreparer,
         engine: Engine,
@@ -82,8 +82,8 @@ class JobWorker:
             task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
         try:
-            await asyncio.to_thread(self.store.release, self.owner, list(tasks))
-        except StoreError:
+            await asyncio.to_thread(self.store.release_jobs, self.owner, list(tasks))
+        except StateStoreError:
             logger.warning(
                 "could not release %d job lease(s); they expire by themselves", len(tasks)
             )
@@ -94,13 +94,13 @@ class JobWorker:
             try:
                 free = self.config.max_running_per_replica - len(self._tasks)
                 for job_id in await asyncio.to_thread(
-                    self.store.claim, self.owner, self.config.lease_s, free
+                    self.store.claim_jobs, self.owner, self.config.lease_s, free
                 ):
                     self._start(job_id)
                 if time.monotonic() - renewed_at >= self.config.lease_s / 3:
                     await self._renew()
                     renewed_at = time.monotonic()
-            except StoreError as error:
+            except StateStoreError as error:
                 logger.warning("job store unavailable: %s", error)
                 await asyncio.sleep(STORE_RETRY_S)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -109,7 +109,9 @@ class JobWorker:
 
     async def _renew(self) -> None:
         local = list(self._tasks)
-        held = await asyncio.to_thread(self.store.renew, self.owner, local, self.config.lease_s)
+        held = await asyncio.to_thread(
+            self.store.renew_leases, self.owner, local, self.config.lease_s
+        )
         for job_id in set(local) - held:  # cancelled by a client, or taken over after a stall
             self.cancel_local(job_id)
 
@@ -126,19 +128,19 @@ class JobWorker:
 
     async def _run(self, job_id: str) -> None:
         try:
-            job = await asyncio.to_thread(self.store.load_input, job_id)
+            job = await asyncio.to_thread(self.store.load_job_input, job_id)
             if job is not None:
                 await JobRun(self, job).run()
         except asyncio.CancelledError:
             raise
-        except StoreError as error:
+        except StateStoreError as error:
             # Left unfinished: its lease runs out and it resumes from the last checkpoint.
             logger.warning("job %s interrupted: %s", job_id, error)
         except Exception as error:
             logger.exception("job %s failed unexpectedly", job_id)
             message = f"internal error: {type(error).__name__}"
-            with contextlib.suppress(StoreError):
-                await asyncio.to_thread(self.store.finish, job_id, self.owner, FAILED, message)
+            with contextlib.suppress(StateStoreError):
+                await asyncio.to_thread(self.store.finish_job, job_id, self.owner, FAILED, message)
 
 
 class JobRun:
@@ -150,7 +152,6 @@ class JobRun:
         self.owner = worker.owner
         self.job = job
         self.method = MethodConfig(**job.method)
-        self.segments: Sequence[Segment] = ()  # the document's, once it is read
 
     async def run(self) -> None:
         job = self.job
@@ -161,53 +162,50 @@ class JobRun:
             states, text = read
         else:
             states, text = job.chains, job.text
-        prepared = await self.worker.preparer.prepare(job.job_id, text, job.questions, self.method)
-        self.segments = prepared.segments
-        indexes: dict[str, int] = {}
-        chains = []
-        for state in states:
-            if state.status == "ok" and state.grounded is None:  # answered before an interruption
-                await self._ground(state.chain_index, state.question, state.answer, state.memory)
-            if state.done:
-                continue
-            chain = MemoryChain(
-                state.chain_key,
-                state.question,
-                prepared.segments,
-                self.method.chain(),
-                memory=state.memory,
-                start_step=min(state.step, len(prepared.segments)),
+        try:
+            prepared = await self.worker.preparer.prepare(
+                job.job_id, text, job.questions, self.method
             )
-            indexes[chain.chain_id] = state.chain_index
-            chains.append(chain)
+        except InputError as error:
+            await asyncio.to_thread(
+                self.store.finish_job, job.job_id, self.owner, FAILED, error.message
+            )
+            return
         engine = WatchedEngine(self.worker.engine)
         runner = ChainRunner(engine, self.method.sampling())
+        checkpoints = JobCheckpoints(self.store, job.job_id, self.owner, states, engine)
 
-        async def checkpoint(chain: MemoryChain, record: StepRecord) -> None:
-            await self._checkpoint(indexes[chain.chain_id], chain, record)
+        async def the_runner() -> ChainRunner:
+            return runner
 
-        results = await runner.run(chains, checkpoint)
+        to_run = [state for state in states if state.status != "error"]  # failed: final
+        outcomes = await asyncio.gather(
+            *(
+                resume_chain(
+                    ChainWork(state.chain_key, state.question, prepared.segments),
+                    the_runner,
+                    self.method.chain(),
+                    checkpoints,
+                    on_step=self.worker.metrics.observe_step,
+                )
+                for state in to_run
+            )
+        )
+        if any(outcome.status == "stopped" for outcome in outcomes):
+            return  # the lease is gone (cancelled, or taken over): the job is not ours to end
         if engine.unavailable is not None:
             # Not the job's fault: keep it unfinished. Its lease runs out and a replica (this
             # one, or another once the engine is back) resumes it from the last checkpoint.
             logger.warning("job %s interrupted: %s", job.job_id, engine.unavailable)
             return
-        errors = []
-        for result in results:
-            self.worker.metrics.observe_answer("job", result.status)
-            if result.status != "ok":
-                errors.append(f"{result.question!r}: {result.error}")
-                await asyncio.to_thread(
-                    self.store.fail_chain,
-                    job.job_id,
-                    self.owner,
-                    indexes[result.chain_id],
-                    result.error or "failed",
-                )
-        earlier_errors = [f"{s.question!r}: {s.error}" for s in states if s.status == "error"]
-        errors = earlier_errors + errors
+        errors = [f"{s.question!r}: {s.error}" for s in states if s.status == "error"]
+        for state, outcome in zip(to_run, outcomes, strict=True):
+            if outcome.result is not None:
+                self.worker.metrics.observe_answer("job", outcome.result.status)
+            if outcome.status == "failed":
+                errors.append(f"{state.question!r}: {outcome.error}")
         status, error = (FAILED, "; ".join(errors)) if errors else (SUCCEEDED, None)
-        await asyncio.to_thread(self.store.finish, job.job_id, self.owner, status, error)
+        await asyncio.to_thread(self.store.finish_job, job.job_id, self.owner, status, error)
 
     async def _read_document(self) -> tuple[tuple[ChainState, ...], str] | None:
         """Fetches and parses the input and plans the chains: (chains, text), or None when the
@@ -219,19 +217,19 @@ class JobRun:
         started = time.perf_counter()
         try:
             loaded = await self.worker.loader.load(request)
+            prepared = await self.worker.preparer.prepare(
+                job.job_id, loaded.parsed.text, job.questions, self.method
+            )
         except InputError as error:
             await asyncio.to_thread(
-                self.store.finish, job.job_id, self.owner, FAILED, error.message
+                self.store.finish_job, job.job_id, self.owner, FAILED, error.message
             )
             return None
         self.worker.metrics.input_bytes.labels(self.worker.metrics.replica).inc(loaded.size)
-        prepared = await self.worker.preparer.prepare(
-            job.job_id, loaded.parsed.text, job.questions, self.method
-        )
         info = document_info(loaded, prepared).model_dump()
         info["read_s"] = round(time.perf_counter() - started, 3)
         saved = await asyncio.to_thread(
-            self.store.save_document,
+            self.store.save_job_document,
             job.job_id,
             self.owner,
             loaded.parsed.text,
@@ -240,36 +238,49 @@ class JobRun:
         )
         if not saved:
             return None
-        planned = await asyncio.to_thread(self.store.load_input, job.job_id)
+        planned = await asyncio.to_thread(self.store.load_job_input, job.job_id)
         if planned is None:
             return None
         return planned.chains, loaded.parsed.text
 
-    async def _ground(
-        self, index: int, question: str, answer: str | None, memory: str | None
-    ) -> None:
-        """Finds an answer's evidence and records it; a failure costs the evidence only."""
-        try:
-            grounding = await asyncio.to_thread(
-                find_evidence, question, answer, memory or "", self.segments
-            )
-            await asyncio.to_thread(
-                self.store.record_grounding, self.job.job_id, self.owner, index, grounding
-            )
-        except Exception:
-            logger.exception("cannot find the evidence of job %s chain %d", self.job.job_id, index)
 
-    async def _checkpoint(self, index: int, chain: MemoryChain, record: StepRecord) -> None:
-        self.worker.metrics.observe_step(record)
-        step = StepCheckpoint.after(chain, record)
-        if not await asyncio.to_thread(
-            self.store.checkpoint, self.job.job_id, self.owner, index, step
-        ):
-            # The lease is gone (cancelled, or taken over): stop every chain of this job.
-            self.worker.cancel_local(self.job.job_id)
-            raise asyncio.CancelledError
-        if chain.done:
-            await self._ground(index, chain.question, chain.answer, chain.memory)
+class JobCheckpoints:
+    """A job's chains as `pipeline.resume` reads and writes them: every write needs the job's
+    lease, a step also records its event, and a chain the engine deployment dropped is left
+    unfinished for a later resume rather than failed."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        job_id: str,
+        owner: str,
+        states: Sequence[ChainState],
+        engine: WatchedEngine,
+    ) -> None:
+        self.store = store
+        self.job_id = job_id
+        self.owner = owner
+        self.index = {state.chain_key: state.chain_index for state in states}
+        self.engine = engine
+
+    def load_checkpoint(self, chain_key: str) -> Checkpoint | None:
+        return self.store.load_checkpoint(chain_key)
+
+    def mark_running(self, chain_key: str) -> bool:
+        return self.store.holds_lease(self.owner, self.job_id)
+
+    def record_step(self, checkpoint: StepCheckpoint) -> bool:
+        index = self.index[checkpoint.chain_key]
+        return self.store.record_job_step(self.job_id, self.owner, index, checkpoint)
+
+    def record_grounding(self, chain_key: str, grounding: Grounding) -> bool:
+        index = self.index[chain_key]
+        return self.store.record_job_grounding(self.job_id, self.owner, index, grounding)
+
+    def mark_failed(self, chain_key: str, error: str) -> bool:
+        if self.engine.unavailable is not None:
+            return True
+        return self.store.fail_job_chain(self.job_id, self.owner, self.index[chain_key], error)
 
 
 class WatchedEngine:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from connectors.results import utc_timestamp
+from connectors.state.records import JobState
 from pipeline.report import RunData, render_report
-from serving.store import JobState
 
 # A chain's status in the API ("ok", "error", "pending") as the run tables say it.
 RUN_STATUS = {"ok": "done", "error": "failed", "pending": "running"}

@@ -218,3 +218,34 @@ def test_env_json_reports_the_machine_and_the_dtype_auto_picks() -> None:
         env={**os.environ, "MEMSTREAM_DTYPE": "float16"}, check=True,
     )  # fmt: skip
     assert json.loads(with_env.stdout)["dtype"] == "float16"
+
+
+def test_every_flag_is_a_setting_of_the_config_it_fills() -> None:
+    """Flags, YAML keys and Python fields cannot drift apart: each `run` flag names a field of
+    its job-spec section, and the shared engine and method flags build their records."""
+    import argparse
+    import dataclasses
+    from typing import get_type_hints
+
+    from pipeline.cli.flags import (
+        add_engine_arguments,
+        add_method_arguments,
+        engine_spec,
+        method_config,
+    )
+    from pipeline.cli.run import FLAG_KEYS
+    from pipeline.job import JobSpec
+
+    sections = get_type_hints(JobSpec)
+    for flag, (section, key) in FLAG_KEYS.items():
+        record = JobSpec if section is None else sections[section]
+        assert key in {f.name for f in dataclasses.fields(record)}, (flag, section, key)
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    add_method_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--chunk-size", "700", "--kv-cache-gib", "2"])
+    assert engine_spec(args).cpu_kvcache_space_gib == 2
+    assert method_config(args).chunk_size == 700
+    shared = {action.dest for action in parser._actions if action.dest != "help"}
+    assert shared <= set(FLAG_KEYS)  # `run` takes every shared flag, under the same name

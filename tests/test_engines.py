@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -20,6 +21,8 @@ from pipeline.ask import DocumentInput, answer, prepare
 from pipeline.config import MethodConfig
 from pipeline.engines.base import EngineError, GenerationRequest, SamplingConfig
 from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
+from pipeline.engines.vllm_local import VLLMEngineConfig
+from pipeline.job import JobSpec
 from pipeline.runner import ChainRunner
 from tests.processes import ServerNotReady, ServerProcess, free_port, http_ok
 
@@ -270,3 +273,18 @@ def test_engine_processes_end_when_their_owner_is_killed(
         for process in engine_processes:
             with contextlib.suppress(psutil.Error):
                 process.kill()
+
+
+def test_engine_kwargs_reach_vllm_untouched_and_win_over_the_modelled_settings() -> None:
+    spec = JobSpec.from_dict(
+        {
+            "sources": ["docs/"],
+            "output": "out/",
+            "engine": {"engine_kwargs": {"max_num_seqs": 8, "enforce_eager": True}},
+        }
+    ).engine
+    assert spec.engine_kwargs == {"max_num_seqs": 8, "enforce_eager": True}
+    assert hash(spec) == hash(replace(spec, engine_kwargs={}))  # a cache key, as before
+    config = VLLMEngineConfig(model="m", enforce_eager=False, engine_kwargs=spec.engine_kwargs)
+    assert config.engine_args()["max_num_seqs"] == 8
+    assert config.engine_args()["enforce_eager"] is True

@@ -62,6 +62,7 @@ from pipeline.evaluation.suite import (
     run_suite,
 )
 from tests.conftest import TEST_MODEL
+from tests.fake_engine import WordTokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -541,11 +542,18 @@ def test_quick_resolves_small_defaults_and_explicit_options_win() -> None:
 
 
 def test_chunks_that_cannot_fit_the_window_are_refused() -> None:
-    with pytest.raises(ValueError, match="lower --chunk-size"):
-        check_chunks_fit(EvalSettings(context_window=4096, chunk_size=5000))
-    check_chunks_fit(EvalSettings(context_window=8192, chunk_size=5000, max_memory_tokens=1024))
-    with pytest.raises(ValueError, match="lower --chunk-size"):
-        resolve_request(parse_eval_arguments("--max-memory-tokens", "2048"), context_window=8192)
+    tokenizer = WordTokenizer()
+    too_big = resolve_request(parse_eval_arguments("--chunk-size", "5000"), context_window=4096)
+    with pytest.raises(
+        ValueError, match=r"lower the chunk size \(method\.chunk_size, --chunk-size"
+    ):
+        check_chunks_fit(too_big, tokenizer)
+    fits = resolve_request(parse_eval_arguments("--max-memory-tokens", "1024"), context_window=8192)
+    check_chunks_fit(fits, tokenizer)
+    with pytest.raises(ValueError, match="lower the chunk size"):
+        check_chunks_fit(
+            resolve_request(parse_eval_arguments("--max-memory-tokens", "2048"), 8192), tokenizer
+        )
     direct_only = resolve_request(parse_eval_arguments("--methods", "direct"), context_window=4096)
     assert direct_only.methods == [EvalMethod("direct", None)]
 

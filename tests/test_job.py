@@ -294,7 +294,7 @@ def test_chunk_that_cannot_fit_the_model_fails_early(tmp_path: Path) -> None:
         questions=[QUESTION],
         method={**METHOD, "chunk_size": 2000},
     )
-    with pytest.raises(JobError, match=r"lower method\.chunk_size or raise engine\.max_model_len"):
+    with pytest.raises(JobError, match=r"lower the chunk size \(method\.chunk_size"):
         plan_job(spec)
 
 
@@ -312,7 +312,7 @@ def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
     else:
         url = url.replace("memstream.db", f"{uuid.uuid4().hex}.db")
     store = StateStore(url)
-    store.create()
+    store.migrate()
     yield store
     store.close()
 
@@ -362,7 +362,7 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
         "key-1": "pending",
         "key-2": "pending",
     }
-    store.mark_running("key-1", "run-a")
+    store.mark_running("key-1")
     store.record_step(step("key-1", 0))
     store.record_step(step("key-1", 1))
     checkpoint = store.load_checkpoint("key-1")
@@ -415,7 +415,7 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
 
 def test_sqlite_store_takes_concurrent_writers(sqlite_url: str) -> None:
     url = sqlite_url.replace("memstream.db", "concurrent.db")
-    StateStore(url).create()
+    StateStore(url).migrate()
     chains = [PlannedChain(f"key-{i}", f"q{i}", "Q?") for i in range(4)]
     StateStore(url).plan_document(document("run-c", 1, "file:///c"), chains)
     failures: list[BaseException] = []

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.parsing import ParsedDocument, ParseError, parse_document, pdf_text
+from operators.parsing import ParsedDocument, ParseError, parse_document
 from operators.parsing.base import DOCX_MIME
 from pipeline.core.evidence import page_of
 
@@ -148,19 +148,6 @@ def test_damaged_pdfs_print_nothing(capfd: pytest.CaptureFixture[str]) -> None:
     corpus_parse_error("pdfs/bad/broken-invalid-pages-unreadablemetadata.pdf")
 
     assert capfd.readouterr() == ("", "")
-
-
-@needs_corpora
-def test_unstructured_is_the_pdf_parser_where_it_can_run_offline() -> None:
-    if pdf_text._unstructured_pdf_partitioner() is None:
-        pytest.skip(
-            "unstructured[pdf] with spaCy's en_core_web_sm is not installed: PDFs go "
-            "through pdfminer.six"
-        )
-
-    parsed = parse_corpus_file("pdfs/reports/federal-register-2020-17221.pdf")
-
-    assert parsed.parser == "pdf:unstructured-fast"
 
 
 def make_pdf(page_contents: list[bytes], image_on_pages: set[int] = frozenset()) -> bytes:

@@ -14,7 +14,7 @@ import asyncio
 import atexit
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,8 @@ import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 
-from connectors.state.store import Checkpoint, StateStore, groundings, steps
+from connectors.state.records import NewJob
+from connectors.state.store import Checkpoint, StateStore, groundings, job_chain_key, steps
 from operators.memory import MemoryStage
 from operators.read import ITEM_SCHEMA, ReadParseStage
 from operators.run import Question, RunContext
@@ -37,7 +38,6 @@ from serving.documents import DocumentLoader
 from serving.engine import EngineUnavailable
 from serving.jobs import JobRun, JobWorker
 from serving.metrics import ServingMetrics
-from serving.store import JobStore, NewJob, chain_key
 from serving.uris import DocumentFetcher, UriPolicy
 from tests.fake_engine import EngineCrash, FactEngine, WordTokenizer, tagged
 
@@ -58,7 +58,7 @@ def memory_after(updates: int) -> str | None:
     return "\n".join(LINES[:updates]) if updates else None
 
 
-ANSWERED = Checkpoint("done", N_STEPS, memory_after(len(FACTS)))
+ANSWERED = Checkpoint("done", N_STEPS, memory_after(len(FACTS)), ANSWER, has_evidence=True)
 
 
 def prompt_memory(request: GenerationRequest) -> str | None:
@@ -163,7 +163,7 @@ def corpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[CorpusRu
     from operators import run as run_module
 
     run = CorpusRun(f"sqlite:///{tmp_path / 'state.sqlite'}")
-    run.store.create()
+    run.store.migrate()
     tokenizer = WordTokenizer()
     monkeypatch.setattr(memory, "open_engine", run.open_engine)
     monkeypatch.setattr(segment, "cached_tokenizer", lambda spec: tokenizer)
@@ -248,11 +248,11 @@ def test_an_answer_whose_evidence_a_crash_cut_off_gets_it_on_the_rerun(corpus: C
     answered = next(key for key in keys if corpus.store.load_checkpoint(key) == ANSWERED)
     with sa.create_engine(corpus.store_url).begin() as connection:  # as if killed just before
         connection.execute(sa.delete(groundings).where(groundings.c.chain_key == answered))
-    assert corpus.store.ungrounded_answer(answered) == (ANSWER, memory_after(len(FACTS)))
+    assert corpus.store.load_checkpoint(answered) == replace(ANSWERED, has_evidence=False)
 
     results = {row["chain_key"]: row for row in corpus.attempt(FactEngine())}
     assert results[answered]["status"] == "skipped"
-    assert corpus.store.ungrounded_answer(answered) is None
+    assert corpus.store.load_checkpoint(answered) == ANSWERED
     answers = {a["chain_key"]: a for a in corpus.store.answers(RUN_ID, 2)}
     assert answers[answered]["grounding_reason"] and answers[answered]["grounded"] is not None
 
@@ -278,21 +278,21 @@ def test_a_failed_chain_is_retried_from_its_checkpoint_on_the_next_attempt(
     assert (answer["status"], answer["answer"], answer["error"]) == ("done", ANSWER, None)
 
 
-# --- Serve jobs: JobRun on a replica's job worker, with a JobStore ----------------------------
+# --- Serve jobs: JobRun on a replica's job worker, with a StateStore ----------------------------
 
 
 @dataclass
 class Replica:
     """An API replica's job machinery (as serving.app.ApiServer builds it) on a fake engine."""
 
-    store: JobStore
+    store: StateStore
     engine: FactEngine
 
     def __post_init__(self) -> None:
         policy = UriPolicy(ServingConfig().uris)
         loader = DocumentLoader(DocumentFetcher(policy, max_bytes=1 << 20))
-        metrics = ServingMetrics("replica", self.store.count_by_status)
-        preparer = DocumentPreparer(WordTokenizer())
+        metrics = ServingMetrics("replica", self.store.count_jobs_by_status)
+        preparer = DocumentPreparer(WordTokenizer(), 16384)
         self.worker = JobWorker(self.store, loader, preparer, self.engine, JobsConfig(), metrics)
 
     @property
@@ -300,10 +300,10 @@ class Replica:
         return self.worker.owner
 
     def claim(self, lease_s: float = 30) -> list[str]:
-        return self.store.claim(self.owner, lease_s, 10)
+        return self.store.claim_jobs(self.owner, lease_s, 10)
 
     def run(self, job_id: str) -> None:
-        job = self.store.load_input(job_id)
+        job = self.store.load_job_input(job_id)
         assert job is not None
         asyncio.run(JobRun(self.worker, job).run())
 
@@ -314,34 +314,35 @@ def jobs_url(tmp_path: Path) -> str:
 
 
 @pytest.fixture
-def job_store(jobs_url: str) -> Iterator[JobStore]:
-    store = JobStore(jobs_url)
+def job_store(jobs_url: str) -> Iterator[StateStore]:
+    store = StateStore(jobs_url)
+    store.migrate()
     yield store
     store.close()
 
 
-def new_job(store: JobStore, *questions: str) -> str:
+def new_job(store: StateStore, *questions: str) -> str:
     job = NewJob("facts.txt", "upload:facts.txt", questions, METHOD.as_dict(), data=RECORD.encode())
     return store.create_job(job)
 
 
-def memory_events(store: JobStore, job_id: str) -> list[tuple[int, int]]:
+def memory_events(store: StateStore, job_id: str) -> list[tuple[int, int]]:
     """(question index, step) of each `memory` event, in order."""
     events = store.events_after(job_id, 0)
     return [(e.data["question_index"], e.data["step"]) for e in events if e.kind == "memory"]
 
 
-def end_events(store: JobStore, job_id: str) -> list[str]:
+def end_events(store: StateStore, job_id: str) -> list[str]:
     return [e.data["status"] for e in store.events_after(job_id, 0) if e.kind == "end"]
 
 
 @pytest.mark.parametrize("crash_on_call", range(1, N_STEPS + 1))
 def test_a_job_whose_replica_died_in_step_k_resumes_there_on_another_replica(
-    job_store: JobStore, jobs_url: str, crash_on_call: int
+    job_store: StateStore, jobs_url: str, crash_on_call: int
 ) -> None:
     done = crash_on_call - 1
     job_id = new_job(job_store, QUESTION)
-    key = chain_key(job_id, 0)
+    key = job_chain_key(job_id, 0)
     dying = Replica(job_store, crash_on(crash_on_call))
     assert dying.claim(lease_s=-1) == [job_id]  # a lease already run out: the replica is gone
     with pytest.raises(EngineCrash):
@@ -368,10 +369,10 @@ def test_a_job_whose_replica_died_in_step_k_resumes_there_on_another_replica(
 
 @pytest.mark.parametrize("lost_to", ["another replica", "the client cancelling"])
 def test_a_replica_that_lost_the_lease_writes_nothing_more(
-    job_store: JobStore, jobs_url: str, lost_to: str
+    job_store: StateStore, jobs_url: str, lost_to: str
 ) -> None:
     job_id = new_job(job_store, QUESTION)
-    key = chain_key(job_id, 0)
+    key = job_chain_key(job_id, 0)
     other = Replica(job_store, FactEngine())
 
     def lose_the_lease(request: GenerationRequest, call: int) -> None:
@@ -379,12 +380,11 @@ def test_a_replica_that_lost_the_lease_writes_nothing_more(
             if lost_to == "another replica":
                 assert other.claim() == [job_id]
             else:
-                assert job_store.cancel(job_id)
+                assert job_store.cancel_job(job_id)
 
     stalled = Replica(job_store, FactEngine(before_reply=lose_the_lease))
     assert stalled.claim(lease_s=-1) == [job_id]  # it stalled past its lease
-    with pytest.raises(asyncio.CancelledError):
-        stalled.run(job_id)
+    stalled.run(job_id)  # returns without ending the job: it is no longer this replica's
     assert stalled.engine.request_ids == [f"{key}:{step}" for step in range(3)]
     before = steps_written(jobs_url)
     assert sorted(before) == [(key, 0), (key, 1)]  # step 2's reply came too late to be written
@@ -403,10 +403,10 @@ def test_a_replica_that_lost_the_lease_writes_nothing_more(
 
 
 def test_an_unavailable_engine_leaves_the_job_to_resume_and_answered_chains_are_not_rerun(
-    job_store: JobStore, jobs_url: str
+    job_store: StateStore, jobs_url: str
 ) -> None:
     job_id = new_job(job_store, QUESTION, OTHER_QUESTION)
-    keys = [chain_key(job_id, 0), chain_key(job_id, 1)]
+    keys = [job_chain_key(job_id, 0), job_chain_key(job_id, 1)]
     last_call = f"{keys[1]}:{N_STEPS - 1}"  # the second chain's answer
     first = Replica(job_store, unavailable_in(last_call))
     assert first.claim(lease_s=-1) == [job_id]
@@ -429,7 +429,7 @@ def test_an_unavailable_engine_leaves_the_job_to_resume_and_answered_chains_are_
 
 
 def test_a_chain_that_fails_by_itself_fails_its_job_for_good(
-    job_store: JobStore, jobs_url: str
+    job_store: StateStore, jobs_url: str
 ) -> None:
     job_id = new_job(job_store, QUESTION)
     replica = Replica(job_store, FactEngine(fail_on_call=3))
@@ -440,13 +440,16 @@ def test_a_chain_that_fails_by_itself_fails_its_job_for_good(
     assert job.error is not None and "EngineError" in job.error
     assert [(c.status, c.step) for c in job.chains] == [("error", 2)]
     assert Replica(job_store, FactEngine()).claim(lease_s=-1) == []
-    assert sorted(steps_written(jobs_url)) == [(chain_key(job_id, 0), 0), (chain_key(job_id, 0), 1)]
+    assert sorted(steps_written(jobs_url)) == [
+        (job_chain_key(job_id, 0), 0),
+        (job_chain_key(job_id, 0), 1),
+    ]
     assert end_events(job_store, job_id) == ["failed"]
 
 
-def test_an_answer_given_before_an_interruption_keeps_its_evidence(job_store: JobStore) -> None:
+def test_an_answer_given_before_an_interruption_keeps_its_evidence(job_store: StateStore) -> None:
     job_id = new_job(job_store, QUESTION, OTHER_QUESTION)
-    first = Replica(job_store, unavailable_in(f"{chain_key(job_id, 1)}:{N_STEPS - 1}"))
+    first = Replica(job_store, unavailable_in(f"{job_chain_key(job_id, 1)}:{N_STEPS - 1}"))
     assert first.claim(lease_s=-1) == [job_id]
     first.run(job_id)
     second = Replica(job_store, FactEngine())

@@ -29,14 +29,15 @@ import yaml
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
-from connectors.state.store import StepCheckpoint
+from connectors.state.records import NewJob
+from connectors.state.store import JobConflict, StateStore, StepCheckpoint, job_chain_key
+from pipeline.config import ConfigError
 from pipeline.core.chain import StepRecord
 from pipeline.core.evidence import Evidence, Grounding
 from serving.api import KeyCheck
-from serving.config import ServingConfig, ServingConfigError, config_from_mapping, load_config
+from serving.config import ServingConfig, config_from_mapping, load_config
 from serving.reporting import job_report
 from serving.security import ApiKeys
-from serving.store import JobConflict, JobStore, NewJob, chain_key
 from serving.uris import UriPolicy, UriRefused, redact_uri
 from tests.processes import ServerNotReady, ServerProcess, free_port, http_ok
 
@@ -76,15 +77,19 @@ def test_config_file_is_validated_with_the_key_path(tmp_path: Path) -> None:
     assert config.engine.max_model_len == 2048 and config.limits.max_questions == 4
     example = load_config(REPO / "serving" / "example-config.yaml")
     assert example.engine_deployment.max_ongoing_requests == 256
-    with pytest.raises(ServingConfigError, match=r"config\.engine\.max_model_len: expected an int"):
+    with pytest.raises(
+        ConfigError, match=r"config: engine\.max_model_len: Input should be a valid int"
+    ):
         config_from_mapping({"engine": {"max_model_len": "big"}})
-    with pytest.raises(ServingConfigError, match=r"config\.limits: unknown setting max_pages"):
+    with pytest.raises(
+        ConfigError, match=r"config: unknown key 'max_pages' in limits \(allowed: max_body"
+    ):
         config_from_mapping({"limits": {"max_pages": 3}})
-    with pytest.raises(ServingConfigError, match="num_replicas must be at least 1"):
+    with pytest.raises(ConfigError, match="num_replicas must be at least 1"):
         config_from_mapping({"engine_deployment": {"num_replicas": 0}})
-    with pytest.raises(ServingConfigError, match="must start with http://, https:// or s3://"):
+    with pytest.raises(ConfigError, match="must start with http://, https:// or s3://"):
         config_from_mapping({"uris": {"allowed_prefixes": ["file:///srv/"]}})
-    with pytest.raises(ServingConfigError, match="shorter than 16 characters"):
+    with pytest.raises(ConfigError, match="shorter than 16 characters"):
         config_from_mapping({"auth": {"api_keys": ["short"]}}).auth.keys()
 
 
@@ -198,52 +203,53 @@ def _serve_command(*arguments: str, env: dict[str, str]) -> subprocess.Completed
 def test_job_store_leases_checkpoints_and_events(
     database: str, request: pytest.FixtureRequest
 ) -> None:
-    store = JobStore(request.getfixturevalue(f"{database}_url"))
+    store = StateStore(request.getfixturevalue(f"{database}_url"))
+    store.migrate()
     new = NewJob("a.txt", "upload:a.txt", ("q1", "q2"), {"chunk_size": 300}, data=b"hello")
     job_id = store.create_job(new)
-    assert job_id in store.claim("replica-1", 30, 100)
-    assert job_id not in store.claim("replica-2", 30, 100)  # leased to replica 1
+    assert job_id in store.claim_jobs("replica-1", 30, 100)
+    assert job_id not in store.claim_jobs("replica-2", 30, 100)  # leased to replica 1
     document = {"name": "a.txt", "parser": "text", "n_tokens": 9, "n_segments": 2}
-    assert store.save_document(job_id, "replica-1", "hello", document, new.questions)
+    assert store.save_job_document(job_id, "replica-1", "hello", document, new.questions)
     record = StepRecord(
-        chain_key(job_id, 0), 0, "update", 0, 0, 5, 0, 20, "memory one", 10, 2, "stop", 0.1
+        job_chain_key(job_id, 0), 0, "update", 0, 0, 5, 0, 20, "memory one", 10, 2, "stop", 0.1
     )
     step = StepCheckpoint(record, 1, "memory one", done=False, answer=None, raw_response=None)
-    assert store.checkpoint(job_id, "replica-1", 0, step)
-    assert not store.checkpoint(job_id, "replica-2", 0, step)  # only the lease holder writes
+    assert store.record_job_step(job_id, "replica-1", 0, step)
+    assert not store.record_job_step(job_id, "replica-2", 0, step)  # only the lease holder writes
     evidence = Evidence(0, None, 0, 5, "hello", 100.0, "answer")
     grounding = Grounding((evidence,), grounded=True, reason="Found in segment 0.")
-    assert store.record_grounding(job_id, "replica-1", 0, grounding)
-    assert not store.record_grounding(job_id, "replica-2", 0, grounding)
+    assert store.record_job_grounding(job_id, "replica-1", 0, grounding)
+    assert not store.record_job_grounding(job_id, "replica-2", 0, grounding)
     state = store.get_job(job_id)
     assert state is not None
     assert state.chains[0].answer_record()["evidence"] == [evidence.as_dict()]
     assert (state.chains[0].grounded, state.chains[1].grounded) == (True, None)
-    trajectory = store.trajectory(state)
+    trajectory = store.job_trajectory(state)
     assert [(row["question_id"], row["step"], row["memory_after"]) for row in trajectory] == [
         ("q0", 0, "memory one")
     ]
     page = job_report(state, trajectory, "a-model")
     assert "memory one" in page and "grounded" in page and "Found in segment 0." in page
-    store.release("replica-1", [job_id])  # e.g. a graceful shutdown
-    assert job_id in store.claim("replica-2", 30, 100)
-    resumed = store.load_input(job_id)
+    store.release_jobs("replica-1", [job_id])  # e.g. a graceful shutdown
+    assert job_id in store.claim_jobs("replica-2", 30, 100)
+    resumed = store.load_job_input(job_id)
     assert resumed is not None and resumed.text == "hello" and resumed.data is None
     assert (resumed.chains[0].step, resumed.chains[0].memory) == (1, "memory one")
     assert (resumed.chains[0].prompt_tokens, resumed.chains[0].status) == (10, "pending")
     assert resumed.chains[1].step == 0
-    assert store.renew("replica-2", [job_id], 30) == {job_id}
-    assert store.cancel(job_id)
-    assert not store.checkpoint(job_id, "replica-2", 0, step)
-    assert store.renew("replica-2", [job_id], 30) == set()
+    assert store.renew_leases("replica-2", [job_id], 30) == {job_id}
+    assert store.cancel_job(job_id)
+    assert not store.record_job_step(job_id, "replica-2", 0, step)
+    assert store.renew_leases("replica-2", [job_id], 30) == set()
     with pytest.raises(JobConflict):
-        store.cancel(job_id)
+        store.cancel_job(job_id)
     assert [event.kind for event in store.events_after(job_id, 0)] == ["memory", "end"]
     assert store.events_after(job_id, 0)[-1].data["status"] == "cancelled"
     stalled = store.create_job(new)
-    assert stalled in store.claim("replica-3", -1, 100)  # its lease has already run out
-    assert stalled in store.claim("replica-4", 30, 100)
-    assert store.finish(stalled, "replica-4", "failed", "cannot read a.txt: empty document")
+    assert stalled in store.claim_jobs("replica-3", -1, 100)  # its lease has already run out
+    assert stalled in store.claim_jobs("replica-4", 30, 100)
+    assert store.finish_job(stalled, "replica-4", "failed", "cannot read a.txt: empty document")
     state = store.get_job(stalled)
     assert state is not None and state.status == "failed" and state.finished
     assert store.get_job("0" * 32) is None

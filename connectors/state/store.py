@@ -1,298 +1,182 @@
-"""Chain checkpoints in an SQL database (SQLite or PostgreSQL), through SQLAlchemy Core.
+"""The state store: chain checkpoints, corpus-run membership and the Serve job queue in one SQL
+database (SQLite by default, PostgreSQL by URL), through SQLAlchemy Core. Tables: `schema.py`.
 
-A chain is content-addressed: its key hashes the document's text, the question, the model and the
-method, so a rerun (or another run over the same content) finds its progress. Every model call
-is one `steps` row, written in the same transaction that advances the chain's checkpoint
-(`chains.step`, `chains.memory`), so after a crash a chain resumes from its last written step and
-its trajectory has no gap and no duplicate.
+Every model call is one `steps` row, written in the same transaction that advances its chain's
+checkpoint (`chains.step`, `chains.memory`), so after a crash a chain resumes from its last
+written step and its trajectory has no gap and no duplicate (`pipeline.resume` drives that).
 
-A run's membership tables (`documents`, `run_chains`, `errors`) say which documents and
-questions belong to the run; each row carries the run's attempt number, so the export of a rerun
-shows exactly the inputs that attempt saw.
+A Serve replica runs a job only while it holds the job's lease (`owner`, `lease_expires_at`):
+each of its writes is conditional on the lease, and a step and its event are one transaction,
+so a replica that lost its lease (cancelled, or presumed dead and replaced) can no longer write
+and a resumed job has exactly one event per step. Jobs are claimed with `SELECT ... FOR UPDATE
+SKIP LOCKED` on PostgreSQL; on SQLite, where every write transaction begins with `BEGIN
+IMMEDIATE`, the claim holds the database's write lock instead.
 
-The serving job store (`serving/store.py`) builds on this module: the same URL parsing and
-engines, and its chains checkpointed in the same `chains` and `steps` tables by `write_step`.
+The store is picklable: each process opens its own connection pools on first use.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TypeVar
 
+from alembic import command
+from alembic.config import Config
 from sqlalchemy import (
-    Boolean,
-    Column,
     ColumnElement,
-    Float,
-    Integer,
     Join,
-    MetaData,
-    String,
     Table,
-    Text,
     and_,
     create_engine,
     event,
     func,
+    insert,
+    or_,
     select,
+    text,
     update,
 )
-from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, RowMapping, make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from connectors.sql import redacted, with_default_driver
+from connectors.state.records import (
+    ChainState,
+    Checkpoint,
+    DocumentRecord,
+    ErrorRecord,
+    Event,
+    JobInput,
+    JobState,
+    NewJob,
+    PlannedChain,
+    RunProgress,
+    StepCheckpoint,
+)
+from connectors.state.schema import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    FINISHED_JOB,
+    PENDING,
+    QUEUED,
+    RUNNING,
+    UNFINISHED_JOB,
+    chains,
+    documents,
+    errors,
+    events,
+    groundings,
+    jobs,
+    rejected_quotes,
+    run_chains,
+    runs,
+    steps,
+)
+from pipeline.core.evidence import Grounding
 
-if TYPE_CHECKING:
-    from pipeline.core.chain import MemoryChain, StepRecord
-
-PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+T = TypeVar("T")
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")
 SQLITE_BUSY_TIMEOUT_MS = 60_000
-
-metadata = MetaData()
-
-runs = Table(
-    "runs",
-    metadata,
-    Column("run_id", String(64), primary_key=True),
-    Column("attempt", Integer, nullable=False),
-    Column("status", String(16), nullable=False),
-    Column("summary", Text),  # JSON: what the run reads and how (no secrets)
-    Column("created_at", Float, nullable=False),
-    Column("started_at", Float, nullable=False),
-    Column("finished_at", Float),
-)
-
-chains = Table(
-    "chains",
-    metadata,
-    Column("chain_key", String(64), primary_key=True),
-    Column("run_id", String(64), nullable=False),  # the run that last planned it
-    Column("doc_id", String(64), nullable=False),
-    Column("source_uri", Text, nullable=False),
-    Column("question_id", String(128), nullable=False),
-    Column("question", Text, nullable=False),
-    Column("status", String(16), nullable=False),
-    Column("step", Integer, nullable=False),  # the next step to run = steps done
-    Column("memory", Text),  # the memory after the last update step; NULL before the first
-    Column("answer", Text),
-    Column("raw_response", Text),
-    Column("n_segments", Integer, nullable=False),
-    Column("n_tokens", Integer, nullable=False),
-    Column("prompt_tokens", Integer, nullable=False, default=0),
-    Column("completion_tokens", Integer, nullable=False, default=0),
-    Column("compute_s", Float, nullable=False, default=0.0),  # sum of step latencies
-    Column("error", Text),
-    Column("created_at", Float, nullable=False),
-    Column("started_at", Float),
-    Column("updated_at", Float, nullable=False),
-    Column("finished_at", Float),
-)
-
-steps = Table(
-    "steps",
-    metadata,
-    Column("chain_key", String(64), primary_key=True),
-    Column("step", Integer, primary_key=True),
-    Column("kind", String(16), nullable=False),
-    Column("segment_index", Integer),
-    Column("token_start", Integer),
-    Column("token_end", Integer),
-    Column("char_start", Integer),
-    Column("char_end", Integer),
-    Column("memory_after", Text, nullable=False),  # the raw response on the final step
-    Column("prompt_tokens", Integer, nullable=False),
-    Column("completion_tokens", Integer, nullable=False),
-    Column("finish_reason", String(32)),
-    Column("latency_s", Float, nullable=False),
-    Column("created_at", Float, nullable=False),
-)
-
-documents = Table(
-    "documents",
-    metadata,
-    Column("run_id", String(64), primary_key=True),
-    Column("source_uri", String(2048), primary_key=True),
-    Column("attempt", Integer, nullable=False),
-    Column("doc_id", String(64), nullable=False),
-    Column("name", Text, nullable=False),
-    Column("content_sha256", String(64), nullable=False),
-    Column("parser", String(64)),
-    Column("pages", Integer),
-    Column("warnings", Text),  # JSON list
-    Column("metadata", Text),  # JSON object from the source
-    Column("n_tokens", Integer),
-    Column("n_segments", Integer),
-    Column("updated_at", Float, nullable=False),
-)
-
-run_chains = Table(
-    "run_chains",
-    metadata,
-    Column("run_id", String(64), primary_key=True),
-    Column("source_uri", String(2048), primary_key=True),
-    Column("question_id", String(128), primary_key=True),
-    Column("attempt", Integer, nullable=False),
-    Column("chain_key", String(64), nullable=False, index=True),
-    Column("question", Text, nullable=False),
-    Column("updated_at", Float, nullable=False),
-)
-
-# Where each answered chain's answer and memory are found in the source (pipeline.core.evidence).
-groundings = Table(
-    "groundings",
-    metadata,
-    Column("chain_key", String(64), primary_key=True),
-    Column("grounded", Boolean, nullable=False),
-    Column("reason", Text, nullable=False),
-    Column("evidence", Text, nullable=False),  # JSON list of evidence items
-    Column("created_at", Float, nullable=False),
-)
-
-# The reply lines of an update step that its memory policy did not find in the section
-# ("verified-quotes"); a row only for steps that dropped something.
-rejected_quotes = Table(
-    "rejected_quotes",
-    metadata,
-    Column("chain_key", String(64), primary_key=True),
-    Column("step", Integer, primary_key=True),
-    Column("quotes", Text, nullable=False),  # JSON list of the dropped lines
-)
-
-errors = Table(
-    "errors",
-    metadata,
-    Column("run_id", String(64), primary_key=True),
-    Column("source_uri", String(2048), primary_key=True),
-    Column("stage", String(32), primary_key=True),
-    Column("attempt", Integer, nullable=False),
-    Column("doc_id", String(64)),
-    Column("name", Text),
-    Column("error_type", String(128), nullable=False),
-    Column("message", Text, nullable=False),
-    Column("created_at", Float, nullable=False),
+MIGRATIONS = Path(__file__).with_name("migrations")
+# Held while migrating a PostgreSQL database, so replicas starting together migrate one by one.
+MIGRATION_LOCK_KEY = 0x6D656D73  # "mems"
+# A job chain's status as the API shows it: "ok" once answered, "error" once failed, else "pending".
+ANSWER_STATUS = {DONE: "ok", FAILED: "error"}
+JOB_CHAIN_COLUMNS = (
+    "chain_key",
+    "question",
+    "n_segments",
+    "step",
+    "memory",
+    "answer",
+    "raw_response",
+    "error",
+    "prompt_tokens",
+    "completion_tokens",
+    "compute_s",
 )
 
 
 class StateStoreError(RuntimeError):
-    """A state store that cannot be used, in one line: what is wrong and what to do."""
+    """A state store that cannot be used, in one line: which database, what is wrong."""
 
 
-@dataclass(frozen=True)
-class DocumentRecord:
-    run_id: str
-    attempt: int
-    source_uri: str
-    doc_id: str
-    name: str
-    content_sha256: str
-    parser: str | None
-    pages: int | None
-    warnings: Sequence[str]
-    metadata: Mapping[str, Any]
-    n_tokens: int | None = None
-    n_segments: int | None = None
+class JobConflict(Exception):
+    """The job is not in a state that allows the operation."""
 
-
-@dataclass(frozen=True)
-class PlannedChain:
-    chain_key: str
-    question_id: str
-    question: str
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    status: str
-    step: int
-    memory: str | None
-
-
-@dataclass(frozen=True)
-class StepCheckpoint:
-    """One finished model call (its `steps` row; the record's chain_id is the chain key) and
-    the chain state right after it."""
-
-    record: StepRecord
-    next_step: int
-    memory: str
-    done: bool
-    answer: str | None
-    raw_response: str | None
-
-    @classmethod
-    def after(cls, chain: MemoryChain, record: StepRecord) -> StepCheckpoint:
-        return cls(record, chain.step, chain.memory, chain.done, chain.answer, chain.raw_response)
-
-    @property
-    def chain_key(self) -> str:
-        return self.record.chain_id
-
-
-@dataclass(frozen=True)
-class ErrorRecord:
-    run_id: str
-    attempt: int
-    source_uri: str
-    stage: str  # "read", "parse", "segment", "memory"
-    error_type: str
-    message: str
-    doc_id: str | None = None
-    name: str | None = None
-
-
-@dataclass(frozen=True)
-class RunProgress:
-    steps_done: int
-    steps_planned: int
-    chains_done: int
-    chains_planned: int
+    def __init__(self, status: str) -> None:
+        super().__init__(f"the job is already {status}")
+        self.status = status
 
 
 class StateStore:
-    """Checkpoints and run membership in one database. Picklable: each process opens its own
-    connection pool on first use."""
-
     def __init__(self, url: str) -> None:
         parsed = parse_store_url(url)
         self.url = parsed.render_as_string(hide_password=False)
         self.safe_url = redacted(parsed)
-        self._engine: Engine | None = None
+        self._writer: Engine | None = None
+        self._reader: Engine | None = None
 
     def __repr__(self) -> str:
         return f"StateStore({self.safe_url!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_engine": None}
+        return {**self.__dict__, "_writer": None, "_reader": None}
 
     @property
-    def engine(self) -> Engine:
-        if self._engine is None:
-            self._engine = open_store_engine(self.url)
-        return self._engine
+    def writer(self) -> Engine:
+        """Every transaction on it may write; on SQLite it takes the write lock first."""
+        if self._writer is None:
+            self._writer = open_store_engine(self.url)
+        return self._writer
+
+    @property
+    def reader(self) -> Engine:
+        """For reads only; on SQLite (WAL) it reads beside the writer without any lock."""
+        if self._reader is None:
+            if make_url(self.url).get_backend_name() == "sqlite":
+                self._reader = open_store_engine(self.url, write_lock=False)
+            else:
+                self._reader = self.writer
+        return self._reader
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine.dispose()
-            self._engine = None
+        for engine in {id(e): e for e in (self._writer, self._reader) if e is not None}.values():
+            engine.dispose()
+        self._writer = self._reader = None
 
-    # --- setup ----------------------------------------------------------------------------
+    # --- setup ------------------------------------------------------------------------------
 
-    def create(self) -> None:
-        """Creates the tables when missing; raises StateStoreError when the database is
-        unreachable or refuses writes."""
+    def migrate(self) -> None:
+        """Brings the schema to the newest revision: creates it in a new database, upgrades an
+        older one in place. Raises StateStoreError when the database is unreachable or refuses
+        writes."""
+        config = Config()
+        config.set_main_option("script_location", str(MIGRATIONS))
         try:
-            metadata.create_all(self.engine)
-        except SQLAlchemyError as error:
+            with self.writer.begin() as connection:
+                if connection.dialect.name == "postgresql":
+                    connection.execute(
+                        text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY}
+                    )
+                config.attributes["connection"] = connection
+                command.upgrade(config, "head")
+        except (SQLAlchemyError, OSError) as error:
             raise StateStoreError(f"state store {self.safe_url}: {first_line(error)}") from None
+
+    # --- corpus runs: planning (segment stage) and membership -----------------------------
 
     def begin_run(self, run_id: str, summary: Mapping[str, Any]) -> int:
         """Registers an attempt of the run and returns its number (1 for a new run)."""
         now = time.time()
-        with self._transaction() as connection:
+        with self._write() as connection:
             found = connection.execute(
                 select(runs.c.attempt).where(runs.c.run_id == run_id)
             ).scalar_one_or_none()
@@ -315,14 +199,12 @@ class StateStore:
         return attempt
 
     def finish_run(self, run_id: str, status: str) -> None:
-        with self._transaction() as connection:
+        with self._write() as connection:
             connection.execute(
                 update(runs)
                 .where(runs.c.run_id == run_id)
                 .values(status=status, finished_at=time.time())
             )
-
-    # --- planning (segment stage) ---------------------------------------------------------
 
     def plan_document(
         self,
@@ -332,7 +214,7 @@ class StateStore:
         """Records the document and its chains for the run; chains seen before keep their
         progress. Returns each chain's status."""
         now = time.time()
-        with self._transaction() as connection:
+        with self._write() as connection:
             _upsert(
                 connection,
                 documents,
@@ -377,12 +259,12 @@ class StateStore:
 
     def chain_statuses(self, chain_keys: Sequence[str]) -> dict[str, str]:
         """The status of each chain the store knows."""
-        with self._transaction() as connection:
+        with self._read() as connection:
             return _statuses(connection, chain_keys)
 
     def record_error(self, error: ErrorRecord) -> None:
         row = {**asdict(error), "created_at": time.time()}
-        with self._transaction() as connection:
+        with self._write() as connection:
             _upsert(
                 connection,
                 errors,
@@ -391,65 +273,56 @@ class StateStore:
                 update=[name for name in row if name not in ("run_id", "source_uri", "stage")],
             )
 
-    # --- checkpoints (memory stage) -------------------------------------------------------
+    # --- chains: what `pipeline.resume` reads and writes ------------------------------------
 
     def load_checkpoint(self, chain_key: str) -> Checkpoint | None:
-        with self._transaction() as connection:
-            row = connection.execute(
-                select(chains.c.status, chains.c.step, chains.c.memory).where(
-                    chains.c.chain_key == chain_key
-                )
-            ).first()
-        return None if row is None else Checkpoint(row.status, row.step, row.memory)
+        query = (
+            select(
+                chains.c.status,
+                chains.c.step,
+                chains.c.memory,
+                chains.c.answer,
+                groundings.c.chain_key.is_not(None).label("has_evidence"),
+            )
+            .select_from(chains.outerjoin(groundings, groundings.c.chain_key == chains.c.chain_key))
+            .where(chains.c.chain_key == chain_key)
+        )
+        with self._read() as connection:
+            row = connection.execute(query).first()
+        if row is None:
+            return None
+        return Checkpoint(row.status, row.step, row.memory, row.answer, bool(row.has_evidence))
 
-    def ungrounded_answer(self, chain_key: str) -> tuple[str | None, str] | None:
-        """(answer, final memory) of an answered chain whose evidence was never recorded (a
-        crash came between the two), else None."""
-        with self._transaction() as connection:
-            row = connection.execute(
-                select(chains.c.answer, chains.c.memory)
-                .select_from(
-                    chains.outerjoin(groundings, groundings.c.chain_key == chains.c.chain_key)
-                )
-                .where(
-                    and_(
-                        chains.c.chain_key == chain_key,
-                        chains.c.status == DONE,
-                        groundings.c.chain_key.is_(None),
-                    )
-                )
-            ).first()
-        return None if row is None else (row.answer, row.memory or "")
-
-    def mark_running(self, chain_key: str, run_id: str) -> None:
+    def mark_running(self, chain_key: str) -> bool:
         now = time.time()
-        with self._transaction() as connection:
+        with self._write() as connection:
             connection.execute(
                 update(chains)
                 .where(chains.c.chain_key == chain_key)
                 .values(
                     status=RUNNING,
-                    run_id=run_id,
                     error=None,
                     updated_at=now,
                     started_at=func.coalesce(chains.c.started_at, now),
                 )
             )
+        return True
 
-    def record_step(self, checkpoint: StepCheckpoint) -> None:
+    def record_step(self, checkpoint: StepCheckpoint) -> bool:
         """Writes one step and advances its chain, atomically."""
-        with self._transaction() as connection:
+        with self._write() as connection:
             write_step(connection, checkpoint)
+        return True
 
-    def mark_failed(self, chain_key: str, error: str) -> None:
-        with self._transaction() as connection:
+    def mark_failed(self, chain_key: str, error: str) -> bool:
+        with self._write() as connection:
             write_failure(connection, chain_key, error)
+        return True
 
-    def record_grounding(
-        self, chain_key: str, grounded: bool, reason: str, evidence: Sequence[Mapping[str, Any]]
-    ) -> None:
-        with self._transaction() as connection:
-            write_grounding(connection, chain_key, grounded, reason, evidence)
+    def record_grounding(self, chain_key: str, grounding: Grounding) -> bool:
+        with self._write() as connection:
+            write_grounding(connection, chain_key, grounding)
+        return True
 
     # --- reading a run back (export) ------------------------------------------------------
 
@@ -547,7 +420,7 @@ class StateStore:
             .where(_of_attempt(run_id, attempt))
             .group_by(chains.c.status)
         )
-        with self._transaction() as connection:
+        with self._read() as connection:
             return {status: count for status, count in connection.execute(query)}
 
     def progress(self, run_id: str, attempt: int) -> RunProgress:
@@ -563,7 +436,7 @@ class StateStore:
             .select_from(_joined(chains))
             .where(_of_attempt(run_id, attempt))
         )
-        with self._transaction() as connection:
+        with self._read() as connection:
             return RunProgress(*connection.execute(query).one())
 
     def document_counts(self, run_id: str, attempt: int) -> tuple[int, int]:
@@ -574,7 +447,7 @@ class StateStore:
         failed = select(func.count(func.distinct(errors.c.source_uri))).where(
             and_(errors.c.run_id == run_id, errors.c.attempt == attempt)
         )
-        with self._transaction() as connection:
+        with self._read() as connection:
             return connection.execute(answered).scalar_one(), connection.execute(
                 failed
             ).scalar_one()
@@ -587,26 +460,294 @@ class StateStore:
             .select_from(_joined(steps))
             .where(_of_attempt(run_id, attempt), steps.c.created_at >= since)
         )
-        with self._transaction() as connection:
+        with self._read() as connection:
             first, last = connection.execute(query).one()
         return 0.0 if first is None else last - first
 
+    # --- Serve jobs: what clients do ---------------------------------------------------------
+
+    def create_job(self, job: NewJob) -> str:
+        job_id = uuid.uuid4().hex
+        now = time.time()
+        with self._write() as connection:
+            connection.execute(
+                insert(jobs).values(
+                    job_id=job_id,
+                    status=QUEUED,
+                    name=job.name,
+                    source=job.source,
+                    uri=job.uri,
+                    input_data=job.data,
+                    mime_type=job.mime_type,
+                    questions=json.dumps(list(job.questions)),
+                    method=json.dumps(job.method, sort_keys=True),
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+        return job_id
+
+    def get_job(self, job_id: str) -> JobState | None:
+        return self._load_job(job_id, _job_state)
+
+    def cancel_job(self, job_id: str) -> bool:
+        """Cancels an unfinished job: False when there is no such job, JobConflict when it has
+        already finished."""
+        with self._write() as connection:
+            status = connection.execute(
+                select(jobs.c.status).where(jobs.c.job_id == job_id)
+            ).scalar()
+            if status is None:
+                return False
+            if status in FINISHED_JOB:
+                raise JobConflict(status)
+            _end_job(connection, jobs.c.job_id == job_id, CANCELLED, "cancelled by the client")
+            _add_end_event(connection, job_id, CANCELLED, None)
+        return True
+
+    def events_after(self, job_id: str, after: int, limit: int = 500) -> list[Event]:
+        with self._read() as connection:
+            rows = connection.execute(
+                select(events.c.event_id, events.c.kind, events.c.data)
+                .where(and_(events.c.job_id == job_id, events.c.event_id > after))
+                .order_by(events.c.event_id)
+                .limit(limit)
+            ).all()
+        return [Event(event_id, kind, json.loads(data)) for event_id, kind, data in rows]
+
+    def count_jobs_by_status(self) -> dict[str, int]:
+        with self._read() as connection:
+            rows = connection.execute(
+                select(jobs.c.status, func.count()).group_by(jobs.c.status)
+            ).all()
+        return {status: count for status, count in rows}
+
+    # --- Serve jobs: what replicas do (each write needs the job's lease) ---------------------
+
+    def claim_jobs(self, owner: str, lease_s: float, limit: int) -> list[str]:
+        """Takes up to `limit` jobs that are queued or whose runner's lease ran out, oldest
+        first, and leases them to `owner`. Replicas claiming at once get different jobs: rows
+        another replica is claiming are skipped (PostgreSQL), or claims take turns (SQLite)."""
+        if limit < 1:
+            return []
+        now = time.time()
+        claimable = and_(
+            jobs.c.status.in_(UNFINISHED_JOB),
+            or_(jobs.c.owner.is_(None), jobs.c.lease_expires_at < now),
+        )
+        with self._write() as connection:
+            job_ids = list(
+                connection.execute(
+                    select(jobs.c.job_id)
+                    .where(claimable)
+                    .order_by(jobs.c.created_at)
+                    .limit(limit)
+                    .with_for_update(skip_locked=True)
+                ).scalars()
+            )
+            if job_ids:
+                connection.execute(
+                    update(jobs)
+                    .where(jobs.c.job_id.in_(job_ids))
+                    .values(
+                        status=RUNNING,
+                        owner=owner,
+                        lease_expires_at=now + lease_s,
+                        started_at=func.coalesce(jobs.c.started_at, now),
+                        updated_at=now,
+                    )
+                )
+        return job_ids
+
+    def renew_leases(self, owner: str, job_ids: Sequence[str], lease_s: float) -> set[str]:
+        """Extends the leases `owner` still holds; returns the jobs it still holds."""
+        if not job_ids:
+            return set()
+        now = time.time()
+        held = self._held_by(owner, job_ids)
+        with self._write() as connection:
+            connection.execute(update(jobs).where(held).values(lease_expires_at=now + lease_s))
+            return set(connection.execute(select(jobs.c.job_id).where(held)).scalars())
+
+    def release_jobs(self, owner: str, job_ids: Sequence[str]) -> None:
+        """Gives jobs back unfinished (the replica is shutting down) for any replica to resume."""
+        if not job_ids:
+            return
+        with self._write() as connection:
+            connection.execute(
+                update(jobs)
+                .where(self._held_by(owner, job_ids))
+                .values(owner=None, lease_expires_at=None, updated_at=time.time())
+            )
+
+    def load_job_input(self, job_id: str) -> JobInput | None:
+        return self._load_job(job_id, _job_input)
+
+    def save_job_document(
+        self, job_id: str, owner: str, text: str, document: dict[str, Any], questions: Sequence[str]
+    ) -> bool:
+        """Keeps the parsed text (dropping the input bytes) and plans one chain per question."""
+        now = time.time()
+        with self._write() as connection:
+            saved = connection.execute(
+                update(jobs)
+                .where(self._held_by(owner, [job_id]))
+                .values(
+                    text=text,
+                    document=json.dumps(document),
+                    input_data=None,
+                    uri=None,
+                    updated_at=now,
+                )
+            ).rowcount
+            if saved != 1:
+                return False
+            source = connection.execute(
+                select(jobs.c.source).where(jobs.c.job_id == job_id)
+            ).scalar_one()
+            connection.execute(
+                insert(chains),
+                [
+                    pending_chain_row(
+                        PlannedChain(job_chain_key(job_id, index), f"q{index}", question),
+                        run_id=job_id,
+                        doc_id=job_id,
+                        source_uri=source,
+                        n_segments=document["n_segments"],
+                        n_tokens=document["n_tokens"],
+                        now=now,
+                    )
+                    for index, question in enumerate(questions)
+                ],
+            )
+        return True
+
+    def record_job_step(
+        self, job_id: str, owner: str, chain_index: int, step: StepCheckpoint
+    ) -> bool:
+        """Advances chain `chain_index` past `step` (the project's checkpoint: a `steps` row
+        and the chain's `(step, memory)`) and records its event; False when the lease is gone."""
+        with self._write() as connection:
+            if not self._still_held(connection, owner, job_id):
+                return False
+            write_step(connection, step)
+            if not step.done:
+                n_segments = connection.execute(
+                    select(chains.c.n_segments).where(chains.c.chain_key == step.chain_key)
+                ).scalar()
+                _add_event(
+                    connection,
+                    job_id,
+                    "memory",
+                    {
+                        "question_index": chain_index,
+                        "step": step.record.step,
+                        "segments_done": step.record.step + 1,
+                        "segments_total": n_segments,
+                        "memory": step.memory,
+                    },
+                )
+            connection.execute(
+                update(jobs).where(jobs.c.job_id == job_id).values(updated_at=time.time())
+            )
+        return True
+
+    def fail_job_chain(self, job_id: str, owner: str, chain_index: int, error: str) -> bool:
+        with self._write() as connection:
+            if not self._still_held(connection, owner, job_id):
+                return False
+            write_failure(connection, job_chain_key(job_id, chain_index), error)
+        return True
+
+    def job_trajectory(self, job: JobState) -> list[dict[str, Any]]:
+        """Every model call of the job's chains, in order, as rows of a run's trajectory table."""
+        keys = {state.chain_key: state.chain_index for state in job.chains}
+        query = (
+            select(steps, rejected_quotes.c.quotes.label("rejected_quotes"))
+            .select_from(with_rejected_quotes(steps))
+            .where(steps.c.chain_key.in_(list(keys)))
+            .order_by(steps.c.chain_key, steps.c.step)
+        )
+        with self._read() as connection:
+            rows = connection.execute(query).mappings().all()
+        return [
+            trajectory_row(row)
+            | {
+                "run_id": job.job_id,
+                "source_uri": job.source,
+                "question_id": f"q{keys[row['chain_key']]}",
+            }
+            for row in rows
+        ]
+
+    def record_job_grounding(
+        self, job_id: str, owner: str, chain_index: int, grounding: Grounding
+    ) -> bool:
+        """Records where chain `chain_index`'s answer is found in the job's document."""
+        with self._write() as connection:
+            if not self._still_held(connection, owner, job_id):
+                return False
+            write_grounding(connection, job_chain_key(job_id, chain_index), grounding)
+        return True
+
+    def finish_job(self, job_id: str, owner: str, status: str, error: str | None = None) -> bool:
+        """Ends a job the owner holds as succeeded or failed, with its `end` event."""
+        with self._write() as connection:
+            if not _end_job(connection, self._held_by(owner, [job_id]), status, error):
+                return False
+            _add_end_event(connection, job_id, status, error)
+        return True
+
     # --- plumbing ---------------------------------------------------------------------------
 
-    def _transaction(self):  # type: ignore[no-untyped-def]
+    def _load_job(
+        self, job_id: str, build: Callable[[RowMapping, tuple[ChainState, ...]], T]
+    ) -> T | None:
+        """`build` applied to the job's row and chains; None when there is no such job."""
+        with self._read() as connection:
+            row = connection.execute(select(jobs).where(jobs.c.job_id == job_id)).mappings().first()
+            if row is None:
+                return None
+            states = _chain_states(connection, job_id, len(json.loads(row["questions"])))
+        return build(row, states)
+
+    @staticmethod
+    def _held_by(owner: str, job_ids: Sequence[str]) -> Any:
+        return and_(
+            jobs.c.job_id.in_(list(job_ids)), jobs.c.owner == owner, jobs.c.status == RUNNING
+        )
+
+    def holds_lease(self, owner: str, job_id: str) -> bool:
+        with self._read() as connection:
+            return self._still_held(connection, owner, job_id)
+
+    def _still_held(self, connection: Connection, owner: str, job_id: str) -> bool:
+        holder = connection.execute(
+            select(jobs.c.job_id).where(self._held_by(owner, [job_id]))
+        ).first()
+        return holder is not None
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
         try:
-            return self.engine.begin()
+            with self.writer.begin() as connection:
+                yield connection
+        except SQLAlchemyError as error:
+            raise StateStoreError(f"state store {self.safe_url}: {first_line(error)}") from None
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        try:
+            with self.reader.connect() as connection:
+                yield connection
         except SQLAlchemyError as error:
             raise StateStoreError(f"state store {self.safe_url}: {first_line(error)}") from None
 
     def _stream(self, query: Any, batch_size: int = 1000) -> Iterator[dict[str, Any]]:
-        with self.engine.connect() as connection:
+        with self._read() as connection:
             result = connection.execution_options(yield_per=batch_size).execute(query)
             for row in result:
                 yield dict(row._mapping)
-
-
-# --- what the serving job store shares ------------------------------------------------------
 
 
 def parse_store_url(url: str, what: str = "state store") -> URL:
@@ -626,30 +767,24 @@ def parse_store_url(url: str, what: str = "state store") -> URL:
     return with_default_driver(parsed)
 
 
-def open_store_engine(
-    url: str | URL,
-    *,
-    write_lock: bool = True,
-    busy_timeout_ms: int = SQLITE_BUSY_TIMEOUT_MS,
-    pool_size: int = 2,
-    max_overflow: int = 4,
-) -> Engine:
+def open_store_engine(url: str | URL, *, write_lock: bool = True) -> Engine:
     """An engine on a store database. Several processes write one SQLite file: WAL lets readers
     run beside the writer, and with `write_lock` every transaction begins with BEGIN IMMEDIATE,
     taking the write lock up front, so it waits for it (busy timeout) instead of failing when
     another writer committed after it started reading."""
-    if make_url(url).get_backend_name() != "sqlite":
-        return create_engine(
-            url, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True
-        )
-    engine = create_engine(url, connect_args={"timeout": busy_timeout_ms / 1000})
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(parsed, pool_size=4, max_overflow=8, pool_pre_ping=True)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
 
     @event.listens_for(engine, "connect")
     def configure(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # SQLAlchemy's events begin transactions
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
@@ -660,10 +795,6 @@ def open_store_engine(
             connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
-
-
-# What a chain's checkpoints and its answer's evidence are kept in, wherever the chain runs.
-CHECKPOINT_TABLES = (chains, steps, rejected_quotes, groundings)
 
 
 def pending_chain_row(
@@ -739,19 +870,13 @@ def write_step(connection: Connection, checkpoint: StepCheckpoint) -> None:
         _upsert(connection, rejected_quotes, row, keys=["chain_key", "step"], update=["quotes"])
 
 
-def write_grounding(
-    connection: Connection,
-    chain_key: str,
-    grounded: bool,
-    reason: str,
-    evidence: Sequence[Mapping[str, Any]],
-) -> None:
+def write_grounding(connection: Connection, chain_key: str, grounding: Grounding) -> None:
     """Records where a chain's answer was found in the source, inside the caller's transaction."""
     row = {
         "chain_key": chain_key,
-        "grounded": grounded,
-        "reason": reason,
-        "evidence": json.dumps(list(evidence), ensure_ascii=False),
+        "grounded": grounding.grounded,
+        "reason": grounding.reason,
+        "evidence": json.dumps([item.as_dict() for item in grounding.evidence], ensure_ascii=False),
         "created_at": time.time(),
     }
     _upsert(connection, groundings, row, keys=["chain_key"],
@@ -768,13 +893,130 @@ def write_failure(connection: Connection, chain_key: str, error: str) -> None:
     )
 
 
+def trajectory_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A `steps` row joined with its rejected quotes, as a trajectory table has it."""
+    return {**row, "rejected_quotes": json.loads(row["rejected_quotes"] or "[]")}
+
+
 def first_line(error: BaseException) -> str:
     """The first line of a database error, without SQLAlchemy's statement and background."""
     reason = str(getattr(error, "orig", None) or error).strip()
     return reason.splitlines()[0] if reason else type(error).__name__
 
 
-# --- plumbing -----------------------------------------------------------------------------------
+def _job_fields(row: RowMapping, states: tuple[ChainState, ...]) -> dict[str, Any]:
+    """What a JobState and a JobInput both say of a stored job."""
+    return {
+        "job_id": row["job_id"],
+        "name": row["name"],
+        "questions": tuple(json.loads(row["questions"])),
+        "method": json.loads(row["method"]),
+        "chains": states,
+    }
+
+
+def _job_state(row: RowMapping, states: tuple[ChainState, ...]) -> JobState:
+    return JobState(
+        **_job_fields(row, states),
+        status=row["status"],
+        source=row["source"],
+        document=json.loads(row["document"]) if row["document"] else None,
+        error=row["error"],
+        created_at=row["created_at"],
+        started_at=row["started_at"],
+        updated_at=row["updated_at"],
+        finished_at=row["finished_at"],
+    )
+
+
+def _job_input(row: RowMapping, states: tuple[ChainState, ...]) -> JobInput:
+    return JobInput(
+        **_job_fields(row, states),
+        uri=row["uri"],
+        data=row["input_data"],
+        mime_type=row["mime_type"],
+        text=row["text"],
+    )
+
+
+def job_chain_key(job_id: str, chain_index: int) -> str:
+    """The key of a job's chain in the `chains` table, and the chain's id."""
+    return f"{job_id}#q{chain_index}"
+
+
+def _chain_states(connection: Connection, job_id: str, n_questions: int) -> tuple[ChainState, ...]:
+    """The job's chains in question order; none before its document is read."""
+    keys = [job_chain_key(job_id, index) for index in range(n_questions)]
+    rows = connection.execute(
+        select(
+            *(chains.c[name] for name in (*JOB_CHAIN_COLUMNS, "status")),
+            groundings.c.grounded,
+            groundings.c.reason,
+            groundings.c.evidence,
+        )
+        .select_from(chains.outerjoin(groundings, groundings.c.chain_key == chains.c.chain_key))
+        .where(chains.c.chain_key.in_(keys))
+    ).mappings()
+    by_key = {row["chain_key"]: row for row in rows}
+    return tuple(
+        ChainState(
+            chain_index=index,
+            status=ANSWER_STATUS.get(by_key[key]["status"], "pending"),
+            **{name: by_key[key][name] for name in JOB_CHAIN_COLUMNS},
+            grounded=None if by_key[key]["grounded"] is None else bool(by_key[key]["grounded"]),
+            grounding_reason=by_key[key]["reason"],
+            evidence=tuple(json.loads(by_key[key]["evidence"] or "[]")),
+        )
+        for index, key in enumerate(keys)
+        if key in by_key
+    )
+
+
+def _end_job(
+    connection: Connection, which: ColumnElement[bool], status: str, error: str | None
+) -> bool:
+    """Ends the job `which` selects (if it does) as `status`: no lease, no input kept."""
+    now = time.time()
+    ended = connection.execute(
+        update(jobs)
+        .where(which)
+        .values(
+            status=status,
+            error=error,
+            owner=None,
+            lease_expires_at=None,
+            input_data=None,
+            uri=None,
+            updated_at=now,
+            finished_at=now,
+        )
+    ).rowcount
+    return ended == 1
+
+
+def _add_end_event(connection: Connection, job_id: str, status: str, error: str | None) -> None:
+    questions = connection.execute(
+        select(jobs.c.questions).where(jobs.c.job_id == job_id)
+    ).scalar_one()
+    answers = [
+        {"question": s.question, "status": s.status, "answer": s.answer}
+        for s in _chain_states(connection, job_id, len(json.loads(questions)))
+    ]
+    _add_event(connection, job_id, "end", {"status": status, "error": error, "answers": answers})
+
+
+def _add_event(connection: Connection, job_id: str, kind: str, data: dict[str, Any]) -> None:
+    connection.execute(
+        insert(events).values(
+            job_id=job_id,
+            kind=kind,
+            data=json.dumps({"job_id": job_id, **data}),
+            created_at=time.time(),
+        )
+    )
+
+
+# --- plumbing ---
 
 
 def _joined(table: Table) -> Join:

@@ -5,10 +5,9 @@
 exception would be a bug in this module, so unexpected library failures are turned into a
 `ParseError` as well.
 
-Formats: PDF (unstructured "fast" when it can run offline, else pdfminer.six; pypdf opens the
-file first to tell encryption and a broken page tree apart from "no text"), DOCX (python-docx),
-HTML (BeautifulSoup), Markdown, plain text in common encodings, and logs; any of them may come
-gzip-, bzip2- or xz-compressed.
+Formats: PDF (pdfminer.six; pypdf opens the file first to tell encryption and a broken page tree
+apart from "no text"), DOCX (python-docx), HTML (BeautifulSoup), Markdown, plain text in common
+encodings, and logs; any of them may come gzip-, bzip2- or xz-compressed.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ TEXT_MIME = "text/plain"
 @dataclass(frozen=True)
 class ParsedDocument:
     text: str
-    # "text", "markdown", "log", "html", "docx", "pdf:unstructured-fast" or "pdf:pdfminer"
+    # "text", "markdown", "log", "html", "docx", "pdf:pdfminer"
     parser: str
     mime_type: str
     pages: int | None  # PDFs; DOCX when the authoring application recorded it; else None

@@ -27,7 +27,7 @@ from pipeline.cli.flags import (
     method_config,
 )
 from pipeline.cli.progress import progress_bar
-from pipeline.config import MethodConfig
+from pipeline.config import MethodConfig, check_context_fit
 from pipeline.core.chain import MemoryChain, StepRecord
 from pipeline.core.evidence import Evidence
 from pipeline.engines import models
@@ -77,6 +77,7 @@ def ask_files(
         return EXIT_NOTHING_READABLE
     models.ensure_pulled(spec.model, console.print)
     tokenizer = load_tokenizer(spec)
+    check_context_fit(method, questions, tokenizer, spec.resolved_max_model_len)
     prepared = [prepare(document, questions, tokenizer, method) for document in documents]
     planned = sum(chain.tokens_left for document in prepared for chain in document.chains)
     spec = spec.resolved(planned_tokens=planned)

@@ -30,6 +30,7 @@ from pipeline.cli.flags import (
     engine_spec,
     positive_int,
 )
+from pipeline.config import MethodConfig, check_context_fit
 from pipeline.engines.base import Engine
 from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
 from pipeline.evaluation import corpora
@@ -57,7 +58,6 @@ from pipeline.evaluation.suite import TASKS, SuiteOutcome, parse_tasks, plan_gro
 
 DEFAULT_METHODS = "memstream:memagent-reference,memstream:segment-first,direct"
 # Room an update prompt needs besides the chunk and the memory: template, question, chat frame.
-UPDATE_PROMPT_ALLOWANCE = 512
 # What must match for a resumed run's predictions to sit in one table with the new ones.
 RESUME_KEYS = (
     "model", "dtype", "settings", "samples_per_task_and_length", "niah_depths", "corpora",
@@ -185,8 +185,6 @@ def resolve_request(args: argparse.Namespace, context_window: int) -> EvalReques
         seed=args.seed,
     )
     methods = parse_methods(args.methods)
-    if any(not method.is_direct for method in methods):
-        check_chunks_fit(settings)
     settings.sampling()  # invalid temperature or top_p fail here
     budget = args.time_budget_min if args.time_budget_min is not None else defaults.time_budget_min
     if budget is not None and budget <= 0:
@@ -216,15 +214,18 @@ def parse_depths(text: str) -> tuple[float, ...]:
     return depths
 
 
-def check_chunks_fit(settings: EvalSettings) -> None:
-    """An update prompt holds a chunk and the memory, and its reply is another memory."""
-    needed = settings.chunk_size + 2 * settings.max_memory_tokens + UPDATE_PROMPT_ALLOWANCE
-    if needed > settings.context_window:
-        raise ValueError(
-            f"chunk size {settings.chunk_size} with {settings.max_memory_tokens} memory tokens "
-            f"needs a context window of about {needed} tokens, the engine has "
-            f"{settings.context_window}; lower --chunk-size or raise --max-model-len"
-        )
+def check_chunks_fit(request: EvalRequest, tokenizer: Any) -> None:
+    """Each memory method's update prompt and reply fit the engine's context (the samples'
+    questions are short; the check allows for the chat template, not for them)."""
+    settings = request.settings
+    for method in request.methods:
+        if method.template is not None:
+            config = MethodConfig(
+                chunk_size=settings.chunk_size,
+                max_memory_tokens=settings.max_memory_tokens,
+                template=method.template,
+            )
+            check_context_fit(config, (), tokenizer, settings.context_window)
 
 
 class SampleBuilders:
@@ -289,6 +290,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
 def run_eval(request: EvalRequest, spec: EngineSpec) -> int:
     console = terminal.current().console()
     tokenizer = load_tokenizer(spec)
+    check_chunks_fit(request, tokenizer)
     metadata = run_metadata(request, spec)
     found = previous_results(request, metadata) if request.resume else None
     previous = None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pipeline.engines import models
@@ -31,6 +31,9 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.9
     cpu_kvcache_space_gib: int | None = 4
     enforce_eager: bool | None = None  # None: eager unless the work planned repays a compile
+    # Anything else vLLM's AsyncEngineArgs takes (e.g. max_num_seqs, quantization), passed
+    # through untouched and winning over the settings above.
+    engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
     # OpenAI-compatible server
     base_url: str | None = None
     served_model: str | None = None  # the server's name for the model; default: `model`
@@ -104,5 +107,6 @@ def open_engine(spec: EngineSpec) -> Engine:
             gpu_memory_utilization=spec.gpu_memory_utilization,
             cpu_kvcache_space_gib=spec.cpu_kvcache_space_gib,
             enforce_eager=bool(spec.enforce_eager),
+            engine_kwargs=dict(spec.engine_kwargs),
         )
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.engines.base import Completion, EngineError, GenerationRequest
@@ -33,6 +33,7 @@ class VLLMEngineConfig:
     seed: int = 0
     # "priority" lets the runner send the longest chains' steps first (GenerationRequest.priority).
     scheduling_policy: str = "priority"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # passed through
 
     def engine_args(self) -> dict[str, Any]:
         args: dict[str, Any] = {
@@ -49,7 +50,7 @@ class VLLMEngineConfig:
         }
         if self.max_num_seqs is not None:
             args["max_num_seqs"] = self.max_num_seqs
-        return args
+        return args | self.engine_kwargs
 
 
 class VLLMEngine:

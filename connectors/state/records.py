@@ -1,0 +1,186 @@
+"""What the state store takes and gives back: plain, frozen records."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from connectors.state.schema import FINISHED_JOB
+
+if TYPE_CHECKING:
+    from pipeline.core.chain import MemoryChain, StepRecord
+
+
+@dataclass(frozen=True)
+class DocumentRecord:
+    run_id: str
+    attempt: int
+    source_uri: str
+    doc_id: str
+    name: str
+    content_sha256: str
+    parser: str | None
+    pages: int | None
+    warnings: Sequence[str]
+    metadata: Mapping[str, Any]
+    n_tokens: int | None = None
+    n_segments: int | None = None
+
+
+@dataclass(frozen=True)
+class PlannedChain:
+    chain_key: str
+    question_id: str
+    question: str
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where a chain stands: its status, the next step to run and the memory after the last."""
+
+    status: str
+    step: int
+    memory: str | None
+    answer: str | None = None
+    has_evidence: bool = False  # whether the answer's evidence was recorded
+
+
+@dataclass(frozen=True)
+class StepCheckpoint:
+    """One finished model call (its `steps` row; the record's chain_id is the chain key) and
+    the chain state right after it."""
+
+    record: StepRecord
+    next_step: int
+    memory: str
+    done: bool
+    answer: str | None
+    raw_response: str | None
+
+    @classmethod
+    def after(cls, chain: MemoryChain, record: StepRecord) -> StepCheckpoint:
+        return cls(record, chain.step, chain.memory, chain.done, chain.answer, chain.raw_response)
+
+    @property
+    def chain_key(self) -> str:
+        return self.record.chain_id
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    run_id: str
+    attempt: int
+    source_uri: str
+    stage: str  # "read", "parse", "segment", "memory"
+    error_type: str
+    message: str
+    doc_id: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class RunProgress:
+    steps_done: int
+    steps_planned: int
+    chains_done: int
+    chains_planned: int
+
+
+@dataclass(frozen=True)
+class NewJob:
+    name: str
+    source: str
+    questions: tuple[str, ...]
+    method: dict[str, Any]
+    uri: str | None = None
+    data: bytes | None = None
+    mime_type: str | None = None
+
+
+@dataclass(frozen=True)
+class ChainState:
+    chain_index: int
+    chain_key: str
+    question: str
+    n_segments: int
+    step: int
+    memory: str | None
+    status: str  # "pending", "ok" or "error"
+    answer: str | None
+    raw_response: str | None
+    error: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    compute_s: float
+    grounded: bool | None = None  # None until the answer's evidence is looked up
+    grounding_reason: str | None = None
+    evidence: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def segments_done(self) -> int:
+        return min(self.step, self.n_segments)
+
+    @property
+    def done(self) -> bool:
+        return self.status != "pending"
+
+    def answer_record(self) -> dict[str, Any]:
+        return {
+            "question": self.question,
+            "status": self.status,
+            "answer": self.answer,
+            "raw_response": self.raw_response,
+            "final_memory": self.memory or "",
+            "n_segments": self.n_segments,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "compute_s": round(self.compute_s, 3),
+            "error": self.error,
+            "grounded": self.grounded,
+            "grounding_reason": self.grounding_reason,
+            "evidence": list(self.evidence),
+        }
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    status: str
+    name: str
+    source: str
+    questions: tuple[str, ...]
+    method: dict[str, Any]
+    document: dict[str, Any] | None
+    error: str | None
+    created_at: float
+    started_at: float | None
+    updated_at: float
+    finished_at: float | None
+    chains: tuple[ChainState, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED_JOB
+
+
+@dataclass(frozen=True)
+class JobInput:
+    """What a replica needs to run a claimed job."""
+
+    job_id: str
+    name: str
+    uri: str | None
+    data: bytes | None
+    mime_type: str | None
+    questions: tuple[str, ...]
+    method: dict[str, Any]
+    text: str | None
+    chains: tuple[ChainState, ...]
+
+
+@dataclass(frozen=True)
+class Event:
+    event_id: int
+    kind: str
+    data: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,154 @@
+"""The one checkpointed chain driver: the Ray memory operator and Serve jobs both run chains
+through `resume_chain`.
+
+Load the chain's checkpoint; skip it if answered (recording its evidence if a crash came between
+the answer and its evidence); otherwise rebuild it at its checkpointed step and memory, run it,
+checkpoint every step, and record the answer's evidence, or the chain's failure. Where the
+checkpoints are kept and who may write them is the `ChainCheckpoints` it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from connectors.state.records import Checkpoint, StepCheckpoint
+from connectors.state.schema import DONE
+from pipeline.core.chain import ChainConfig, MemoryChain, StepRecord
+from pipeline.core.evidence import Grounding, find_evidence
+from pipeline.core.segmentation import Segment
+from pipeline.runner import ChainResult, ChainRunner
+
+logger = logging.getLogger(__name__)
+
+# How a blocking store call is run off the event loop (default: a worker thread).
+StoreCall = Callable[..., Awaitable[Any]]
+
+
+class ChainCheckpoints(Protocol):
+    """Where chains' progress is kept. Each write returns False when this writer may no longer
+    write (a Serve replica that lost its job's lease); the chain then stops where it is."""
+
+    def load_checkpoint(self, chain_key: str) -> Checkpoint | None: ...
+    def mark_running(self, chain_key: str) -> bool: ...
+    def record_step(self, checkpoint: StepCheckpoint) -> bool: ...
+    def record_grounding(self, chain_key: str, grounding: Grounding) -> bool: ...
+    def mark_failed(self, chain_key: str, error: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ChainWork:
+    """One chain to bring to its answer: its key, its question and its document's segments
+    (None when the document was not segmented again because every chain was answered)."""
+
+    chain_key: str
+    question: str
+    segments: Sequence[Segment] | None
+    page_starts: Sequence[int] | None = None
+
+
+@dataclass(frozen=True)
+class ChainOutcome:
+    status: str  # "done", "failed", "skipped" (answered earlier) or "stopped" (writes refused)
+    start_step: int = 0
+    result: ChainResult | None = None
+    error: str | None = None
+
+
+class WritesRefused(Exception):
+    """The checkpoints refused a write: another writer owns the chain now."""
+
+
+async def resume_chain(
+    work: ChainWork,
+    runner: Callable[[], Awaitable[ChainRunner]],
+    config: ChainConfig,
+    checkpoints: ChainCheckpoints,
+    in_store: StoreCall | None = None,
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> ChainOutcome:
+    """Brings one chain to its answer from wherever its checkpoint left it. `runner` gives the
+    runner when there is a step to run (so a rerun with everything answered starts no engine);
+    `in_store` runs each store call off the event loop; `on_step` sees every written step."""
+    call: StoreCall = in_store or asyncio.to_thread
+    try:
+        checkpoint = await call(checkpoints.load_checkpoint, work.chain_key)
+        if checkpoint is not None and checkpoint.status == DONE:
+            if not checkpoint.has_evidence and work.segments is not None:
+                await _ground(work, checkpoint.answer, checkpoint.memory, checkpoints, call)
+            return ChainOutcome("skipped", checkpoint.step)
+        if work.segments is None:
+            raise RuntimeError("the document was planned as answered; run the job again")
+        start_step = min(checkpoint.step if checkpoint else 0, len(work.segments))
+        chain = MemoryChain(
+            work.chain_key,
+            work.question,
+            work.segments,
+            config,
+            memory=checkpoint.memory if checkpoint and start_step > 0 else None,
+            start_step=start_step,
+        )
+        if not await call(checkpoints.mark_running, work.chain_key):
+            return ChainOutcome("stopped", start_step)
+
+        refused = False
+
+        async def checkpoint_step(chain: MemoryChain, record: StepRecord) -> None:
+            nonlocal refused
+            if not await call(checkpoints.record_step, StepCheckpoint.after(chain, record)):
+                refused = True
+                raise WritesRefused(work.chain_key)
+            if on_step is not None:
+                on_step(record)
+            if chain.done:  # in the chain's runner slot, so an answer and its evidence go together
+                await _ground(work, chain.answer, chain.memory, checkpoints, call)
+
+        result = await (await runner()).run_chain(chain, checkpoint_step)
+    except Exception as error:  # e.g. the store is unreachable: recorded, resumable later
+        logger.exception("chain %s failed", work.chain_key)
+        message = f"{type(error).__name__}: {error}"
+        await _record_failure(work.chain_key, message, checkpoints, call)
+        return ChainOutcome("failed", error=message)
+    if refused:
+        return ChainOutcome("stopped", start_step, result)
+    if result.status != "ok":
+        error_message = result.error or "unknown error"
+        await _record_failure(work.chain_key, error_message, checkpoints, call)
+        return ChainOutcome("failed", start_step, result, error_message)
+    return ChainOutcome("done", start_step, result)
+
+
+async def _ground(
+    work: ChainWork,
+    answer: str | None,
+    memory: str | None,
+    checkpoints: ChainCheckpoints,
+    call: StoreCall,
+) -> None:
+    """Finds the answer's evidence in the source and records it; a failure here costs the
+    answer its evidence, never the answer."""
+    assert work.segments is not None
+    try:
+        grounding = await asyncio.get_running_loop().run_in_executor(
+            None,
+            functools.partial(
+                find_evidence, work.question, answer, memory or "", work.segments,
+                work.page_starts or None,
+            ),
+        )  # fmt: skip
+        await call(checkpoints.record_grounding, work.chain_key, grounding)
+    except Exception:
+        logger.exception("cannot find the evidence of chain %s", work.chain_key)
+
+
+async def _record_failure(
+    chain_key: str, message: str, checkpoints: ChainCheckpoints, call: StoreCall
+) -> None:
+    try:
+        await call(checkpoints.mark_failed, chain_key, message)
+    except Exception:
+        logger.exception("cannot record the failure of chain %s", chain_key)
