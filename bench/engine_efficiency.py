@@ -65,6 +65,9 @@ class BusyMeter:
             self._tick()
             self.in_flight -= 1
 
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
     async def shutdown(self) -> None:
         await self.engine.shutdown()
 

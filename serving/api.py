@@ -26,11 +26,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from connectors.state.records import JobState, NewJob
 from connectors.state.schema import SUCCEEDED
 from connectors.state.store import JobConflict, StateStore, StateStoreError
+from pipeline.engines.base import Engine, EngineError
 from pipeline.report import content_security_policy
 from serving.answering import SyncAnswerer
 from serving.config import LimitsConfig
 from serving.documents import DocumentLoader, InputError, RequestReader
-from serving.engine import ServeEngineClient
 from serving.jobs import JobWorker
 from serving.metrics import CONTENT_TYPE, ServingMetrics
 from serving.reporting import job_report
@@ -51,7 +51,7 @@ from serving.security import ApiKeys
 logger = logging.getLogger("ray.serve")
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 KEEP_ALIVE_S = 15.0
-ENGINE_READY_TIMEOUT_S = 2.0
+ENGINE_HEALTH_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -61,7 +61,7 @@ class ApiServices:
     reader: RequestReader
     loader: DocumentLoader
     answerer: SyncAnswerer
-    engine: ServeEngineClient
+    engine: Engine
     store: StateStore
     worker: JobWorker
     metrics: ServingMetrics
@@ -173,17 +173,27 @@ def build_api(services: ApiServices) -> FastAPI:
     document_body = openapi_document_body()
     store = services.store
 
-    @app.get("/healthz", tags=["service"], responses={503: {"description": "engine not ready"}})
+    @app.get(
+        "/healthz", tags=["service"], responses={503: {"description": "the engine is unhealthy"}}
+    )
     async def healthz() -> JSONResponse:
-        """Readiness (no key needed): 200 when this replica and the engine take requests."""
-        ready = await services.engine.ready(ENGINE_READY_TIMEOUT_S)
-        body = {
-            "status": "ok" if ready else "unavailable",
-            "engine": "ready" if ready else "unavailable",
+        """Readiness (no key needed): 200 when the engine answers its health check in time; 503
+        with the reason when it fails it, or when no engine replica answers (starting,
+        restarting, or busy with all the calls it takes at once)."""
+        body: dict[str, Any] = {
+            "status": "ok",
             "model": services.model,
             "jobs_running": services.worker.running,
         }
-        return JSONResponse(body, 200 if ready else 503)
+        try:
+            await asyncio.wait_for(services.engine.check_health(), ENGINE_HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            reason = f"the engine did not answer within {ENGINE_HEALTH_TIMEOUT_S:g} s"
+        except EngineError as error:
+            reason = str(error)
+        else:
+            return JSONResponse(body, 200)
+        return JSONResponse({**body, "status": "unhealthy", "reason": reason}, 503)
 
     @app.get(
         "/metrics",

@@ -98,8 +98,6 @@ def build_application(config: ServingConfig, keys: ApiKeys) -> Any:
     engine_options = config.engine_deployment.serve_options()
     engine_deployment = serve.deployment(EngineServer, name="engine").options(
         max_constructor_retry_count=ENGINE_CONSTRUCTOR_RETRIES,
-        # vLLM on a CPU can take minutes to load and warm up.
-        health_check_timeout_s=120,
         # One access-log line per model call would drown the API's per-request lines.
         logging_config={"enable_access_log": False},
         **engine_options,

@@ -84,6 +84,10 @@ class DeploymentConfig:
     autoscaling: AutoscalingConfig | None = None
     max_ongoing_requests: int = 256
     num_cpus: float = 1.0
+    # Serve checks every replica's health this often; a replica that fails the check, or does
+    # not answer within the timeout, three times in a row is replaced by a new one.
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -92,11 +96,15 @@ class DeploymentConfig:
             raise ValueError("max_ongoing_requests must be at least 1")
         if self.num_cpus < 0:
             raise ValueError("num_cpus must not be negative")
+        if self.health_check_period_s <= 0 or self.health_check_timeout_s <= 0:
+            raise ValueError("health_check_period_s and health_check_timeout_s must be positive")
 
     def serve_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.num_cpus},
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
         }
         if self.autoscaling is not None:
             options["autoscaling_config"] = self.autoscaling.as_serve_options()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pipeline.engines.base import Completion, EngineError, GenerationRequest
+from pipeline.engines.base import Completion, EngineError, EngineUnhealthy, GenerationRequest
 from pipeline.engines.factory import EngineSpec, open_engine
 
 
@@ -34,16 +34,10 @@ class EngineServer:
     async def generate(self, request: GenerationRequest) -> Completion:
         return await self._engine.generate(request)
 
-    async def ready(self) -> bool:
-        """Answers once `__init__` has finished, which is when Serve routes calls here."""
-        return True
-
     async def check_health(self) -> None:
-        """Called by Serve every few seconds; raising makes it replace the replica. Engines
-        that can tell (an optional async `check_health`) are asked."""
-        check = getattr(self._engine, "check_health", None)
-        if check is not None:
-            await check()
+        """Called by Serve every `health_check_period_s`, and by `/healthz` through the handle.
+        When it raises for Serve three times in a row, Serve replaces the replica."""
+        await self._engine.check_health()
 
     async def __del__(self) -> None:
         engine, self._engine = getattr(self, "_engine", None), None
@@ -57,21 +51,6 @@ class ServeEngineClient:
     def __init__(self, handle: Any, model: str) -> None:
         self._handle = handle
         self.model = model
-        self._answered = False  # whether the last call reached the engine
-
-    async def ready(self, timeout_s: float) -> bool:
-        """Whether the engine deployment takes calls. After a call that reached it, no new
-        call is made, so a busy engine does not look unavailable."""
-        if self._answered:
-            return True
-        response = self._handle.ready.remote()
-        try:
-            self._answered = bool(await asyncio.wait_for(response, timeout_s))
-        except asyncio.TimeoutError:
-            response.cancel()
-        except Exception:  # any failure to reach it means: not ready
-            self._answered = False
-        return self._answered
 
     async def generate(self, request: GenerationRequest) -> Completion:
         from ray.exceptions import RayActorError
@@ -79,18 +58,35 @@ class ServeEngineClient:
 
         response = self._handle.generate.remote(request)
         try:
-            completion = await response
+            return await response
         except asyncio.CancelledError:
             # The caller gave up (a cancelled job, a closed connection): free the engine too.
             response.cancel()
             raise
         except (RayActorError, RayServeException) as error:
-            self._answered = False
-            raise EngineUnavailable(
-                f"the engine deployment is unavailable ({type(error).__name__})"
-            ) from error
-        self._answered = True
-        return completion
+            raise unavailable(error) from error
+
+    async def check_health(self) -> None:
+        """Asks a replica of the engine deployment. Raises `EngineUnhealthy` with the reason its
+        engine gave, or `EngineUnavailable` when no replica could take the call. It waits while
+        no replica runs (one is starting): callers bound the wait."""
+        from ray.exceptions import RayActorError, RayTaskError
+        from ray.serve.exceptions import RayServeException
+
+        response = self._handle.check_health.remote()
+        try:
+            await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except RayTaskError as error:  # raised by the replica's check; its cause says why
+            raise EngineUnhealthy(str(error.cause)) from None
+        except (RayActorError, RayServeException) as error:
+            raise unavailable(error) from error
 
     async def shutdown(self) -> None:
         """The deployment owns the engine; nothing to do for one client."""
+
+
+def unavailable(error: Exception) -> EngineUnavailable:
+    return EngineUnavailable(f"the engine deployment is unavailable ({type(error).__name__})")

@@ -298,5 +298,8 @@ class WatchedEngine:
             self.unavailable = error
             raise
 
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
     async def shutdown(self) -> None:
         await self.engine.shutdown()

@@ -13,7 +13,7 @@ import asyncio
 import re
 from collections.abc import Callable, Sequence
 
-from pipeline.engines.base import Completion, EngineError, GenerationRequest
+from pipeline.engines.base import Completion, EngineError, EngineUnhealthy, GenerationRequest
 
 FACT = re.compile(r"\bfact-\w+")
 NO_FACT_YET = "No fact yet."
@@ -53,7 +53,8 @@ class FactEngine:
     `fail_on_call=N` raises `failure` in the N-th call (counting from 1) instead of replying:
     an `EngineError` for a call that fails, `EngineCrash` for a process that dies. `before_reply`
     runs in every call that replies, before it does, with the request and the call's number:
-    the place to change the world in the middle of a run."""
+    the place to change the world in the middle of a run. It is healthy until `unhealthy` is
+    set to a reason; `check_health` then raises `EngineUnhealthy` with it."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class FactEngine:
         self.failure = failure or EngineError("the fake engine fails this call on purpose")
         self.before_reply = before_reply
         self.requests: list[GenerationRequest] = []
+        self.unhealthy: str | None = None
         self.shut_down = False
 
     @property
@@ -91,6 +93,10 @@ class FactEngine:
             finish_reason="stop",
             latency_s=0.001,
         )
+
+    async def check_health(self) -> None:
+        if self.unhealthy is not None:
+            raise EngineUnhealthy(self.unhealthy)
 
     async def shutdown(self) -> None:
         self.shut_down = True

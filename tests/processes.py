@@ -1,9 +1,11 @@
 """Servers as child processes: started in their own session with their output in a log file,
 ready once a probe passes, stopped by their PID. `memstream serve` for benchmarks and DAG tasks
-that want a private endpoint; S3 and vLLM servers for the tests."""
+that want a private endpoint; S3 and vLLM servers for the tests. And vLLM's EngineCore
+processes among a process's descendants, for the tests that kill one."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import time
@@ -11,6 +13,18 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
+import psutil
+
+
+def engine_cores(root: psutil.Process) -> list[psutil.Process]:
+    """The live processes among `root`'s descendants that run a vLLM EngineCore."""
+    found = []
+    for process in root.children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # it exited while we looked
+            named = "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline())
+            if named and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+    return found
 
 
 class ServerNotReady(RuntimeError):

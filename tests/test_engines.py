@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import http.server
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,12 +20,13 @@ import pytest
 
 from pipeline.ask import DocumentInput, answer, prepare
 from pipeline.config import MethodConfig
-from pipeline.engines.base import EngineError, GenerationRequest, SamplingConfig
+from pipeline.engines.base import EngineError, EngineUnhealthy, GenerationRequest, SamplingConfig
+from pipeline.engines.hardware import resolve_dtype
 from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
-from pipeline.engines.vllm_local import VLLMEngineConfig
+from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec
 from pipeline.runner import ChainRunner
-from tests.processes import ServerNotReady, ServerProcess, free_port, http_ok
+from tests.processes import ServerNotReady, ServerProcess, engine_cores, free_port, http_ok
 
 pytestmark = pytest.mark.engine
 
@@ -182,6 +184,50 @@ def test_openai_adapter_reports_an_unreachable_server() -> None:
     )
     with pytest.raises(EngineError, match=r"cannot reach .* is the server running"):
         asyncio.run(engine.check())
+    with pytest.raises(EngineUnhealthy, match=r"cannot reach .* is the server running"):
+        asyncio.run(engine.check_health())
+
+
+class ModelListServer(http.server.BaseHTTPRequestHandler):
+    """Answers every GET as /v1/models does, with the one model "m", after `delay_s` seconds."""
+
+    delay_s = 0.0
+    requests = 0
+
+    def do_GET(self) -> None:
+        type(self).requests += 1
+        time.sleep(self.delay_s)
+        body = b'{"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "x"}]}'
+        with contextlib.suppress(OSError):  # the client may have given up waiting
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_openai_adapter_health_is_one_short_request_for_the_served_models() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ModelListServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    served = OpenAIEngine(OpenAIEngineConfig(base_url=url, model="m"))
+    other = OpenAIEngine(OpenAIEngineConfig(base_url=url, model="other"))
+    try:
+        asyncio.run(served.check_health())
+        with pytest.raises(EngineUnhealthy, match="does not serve model 'other'"):
+            asyncio.run(other.check_health())
+        ModelListServer.delay_s, ModelListServer.requests = 5.0, 0
+        started = time.monotonic()
+        with pytest.raises(EngineUnhealthy, match="cannot reach"):
+            asyncio.run(served.check_health())
+        waited = time.monotonic() - started
+    finally:
+        server.shutdown()
+    # The engine's request timeout (600 s) and retries (5) are for generation, not for this.
+    assert waited < 3 and ModelListServer.requests == 1
 
 
 class FlakyChatServer(http.server.BaseHTTPRequestHandler):
@@ -288,3 +334,50 @@ def test_engine_kwargs_reach_vllm_untouched_and_win_over_the_modelled_settings()
     config = VLLMEngineConfig(model="m", enforce_eager=False, engine_kwargs=spec.engine_kwargs)
     assert config.engine_args()["max_num_seqs"] == 8
     assert config.engine_args()["enforce_eager"] is True
+
+
+def test_vllm_engine_health_reports_a_killed_engine_core(test_model_path: str) -> None:
+    """The EngineCore process dies (SIGKILL here, as by the kernel's OOM killer): the engine's
+    health check says so within seconds, and its worker processes end with it."""
+    config = VLLMEngineConfig(
+        model=test_model_path,
+        max_model_len=1024,
+        dtype=resolve_dtype("auto"),
+        enforce_eager=True,
+        cpu_kvcache_space_gib=1,
+    )
+    this_process = psutil.Process()
+
+    async def kill_the_engine_core() -> tuple[float, str, list[psutil.Process]]:
+        others = set(engine_cores(this_process))  # the session's shared engine, if it runs
+        engine = VLLMEngine(config)
+        try:
+            await engine.check_health()
+            (core,) = [process for process in engine_cores(this_process) if process not in others]
+            workers = core.children(recursive=True)
+            os.kill(core.pid, signal.SIGKILL)
+            waited, reason = await seconds_until_unhealthy(engine, timeout_s=30)
+        finally:
+            await engine.shutdown()
+        return waited, reason, workers
+
+    waited, reason, workers = asyncio.run(kill_the_engine_core())
+    print(f"\nunhealthy {waited:.2f} s after the kill: {reason}")
+    assert "EngineCore is dead" in reason and "\n" not in reason
+    assert waited < 10
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    for process in alive:
+        process.kill()
+    assert not alive, f"worker processes outlived their EngineCore: {alive}"
+
+
+async def seconds_until_unhealthy(engine: VLLMEngine, timeout_s: float) -> tuple[float, str]:
+    """Seconds until `check_health` raised, and the reason it gave."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            await engine.check_health()
+        except EngineUnhealthy as unhealthy:
+            return time.monotonic() - started, str(unhealthy)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the engine still looked healthy {timeout_s:.0f} s after the kill")

@@ -418,6 +418,9 @@ class EchoEngine:
         self.prompts.append(request.prompt)
         return Completion(request.request_id, "Therefore, the answer is 42.", 10, 5, "stop", 0.0)
 
+    async def check_health(self) -> None:
+        pass
+
     async def shutdown(self) -> None:
         pass
 

@@ -32,6 +32,9 @@ class RecordingEngine:
         await asyncio.sleep(0)
         return Completion(request.request_id, "The answer is x.", 10, 3, "stop", 0.0)
 
+    async def check_health(self) -> None:
+        return None
+
     async def shutdown(self) -> None:
         return None
 

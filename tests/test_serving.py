@@ -14,6 +14,7 @@ import html
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,22 +25,36 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import yaml
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
+import serving.api
 from connectors.state.records import NewJob
 from connectors.state.store import JobConflict, StateStore, StepCheckpoint, job_chain_key
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, MethodConfig
 from pipeline.core.chain import StepRecord
 from pipeline.core.evidence import Evidence, Grounding
-from serving.api import KeyCheck
-from serving.config import ServingConfig, config_from_mapping, load_config
+from serving.answering import DocumentPreparer, SyncAnswerer
+from serving.api import ApiServices, KeyCheck, build_api
+from serving.config import (
+    JobsConfig,
+    LimitsConfig,
+    ServingConfig,
+    UriConfig,
+    config_from_mapping,
+    load_config,
+)
+from serving.documents import DocumentLoader, RequestReader
+from serving.jobs import JobWorker
+from serving.metrics import ServingMetrics
 from serving.reporting import job_report
 from serving.security import ApiKeys
-from serving.uris import UriPolicy, UriRefused, redact_uri
-from tests.processes import ServerNotReady, ServerProcess, free_port, http_ok
+from serving.uris import DocumentFetcher, UriPolicy, UriRefused, redact_uri
+from tests.fake_engine import FactEngine, WordTokenizer
+from tests.processes import ServerNotReady, ServerProcess, engine_cores, free_port, http_ok
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "test-key-" + "7f3a9c2e5b8d1f4a6c0e"
@@ -128,6 +143,56 @@ def test_routes_take_the_key_as_a_bearer_token_only(authorization: str | None, s
     if status == 401:
         assert response.headers["www-authenticate"] == "Bearer"
         assert API_KEY not in response.text
+
+
+def test_healthz_asks_the_engine_every_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = FactEngine()
+    store = StateStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    store.migrate()
+    try:
+        with TestClient(build_api(_services_over(engine, store))) as client:
+            healthy = client.get("/healthz")
+            engine.unhealthy = "the fake engine's process died"
+            unhealthy = client.get("/healthz")
+            engine.unhealthy = None
+            recovered = client.get("/healthz")
+            monkeypatch.setattr(serving.api, "ENGINE_HEALTH_TIMEOUT_S", 0.05)
+            monkeypatch.setattr(engine, "check_health", asyncio.Event().wait)  # never answers
+            silent = client.get("/healthz")
+    finally:
+        store.close()
+    assert healthy.status_code == 200 and recovered.status_code == 200
+    assert healthy.json() == {"status": "ok", "model": "fake-model", "jobs_running": 0}
+    assert unhealthy.status_code == 503
+    assert unhealthy.json()["status"] == "unhealthy"
+    assert unhealthy.json()["reason"] == "the fake engine's process died"
+    assert silent.status_code == 503
+    assert silent.json()["reason"] == "the engine did not answer within 0.05 s"
+
+
+def _services_over(engine: FactEngine, store: StateStore) -> ApiServices:
+    """An API replica's services, with `engine` in place of the engine deployment."""
+    limits, method = LimitsConfig(), MethodConfig()
+    policy = UriPolicy(UriConfig())
+    loader = DocumentLoader(DocumentFetcher(policy, limits.max_input_bytes))
+    preparer = DocumentPreparer(WordTokenizer(), 16384)
+    metrics = ServingMetrics("test-replica", store.count_jobs_by_status)
+    return ApiServices(
+        keys=ApiKeys.of([], required=False),
+        limits=limits,
+        reader=RequestReader(limits, policy),
+        loader=loader,
+        answerer=SyncAnswerer(engine, preparer, method, engine.model),
+        engine=engine,
+        store=store,
+        worker=JobWorker(store, loader, preparer, engine, JobsConfig(), metrics),
+        metrics=metrics,
+        model=engine.model,
+        method=method.as_dict(),
+        poll_interval_s=0.5,
+    )
 
 
 @pytest.mark.parametrize(
@@ -330,6 +395,8 @@ def app(
             "cpu_kvcache_space_gib": 1,
             "enforce_eager": True,
         },
+        # Serve replaces an engine replica three failed checks after its engine died.
+        "engine_deployment": {"health_check_period_s": 1.0},
         "method": {"chunk_size": 300, "max_memory_tokens": 24, "max_answer_tokens": 24},
         "store": {"url": f"sqlite:///{folder / 'serving.db'}"},
         "limits": {"max_body_bytes": 4 * MIB, "max_input_bytes": 3 * MIB + MIB // 2},
@@ -363,7 +430,7 @@ def app(
 @pytest.mark.engine
 def test_health_docs_and_metrics(app: ServeApp) -> None:
     health = httpx.get(f"{app.url}/healthz").json()
-    assert health["status"] == "ok" and health["engine"] == "ready"
+    assert health["status"] == "ok" and "reason" not in health
     paths = httpx.get(f"{app.url}/openapi.json").json()["paths"]
     assert {"/v1/answer", "/v1/jobs", "/v1/jobs/{job_id}/events", "/metrics"} <= set(paths)
     body = paths["/v1/answer"]["post"]["requestBody"]["content"]
@@ -638,6 +705,30 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(app: ServeApp) -> 
 
 
 @pytest.mark.engine
+@pytest.mark.server
+def test_serve_replaces_an_engine_replica_whose_engine_core_died(app: ServeApp) -> None:
+    assert app.server is not None
+    serve_processes = psutil.Process(app.server.process.pid)
+    (killed,) = engine_cores(serve_processes)
+    os.kill(killed.pid, signal.SIGKILL)
+    started = time.monotonic()
+    unhealthy = _health_when(app, 503, timeout=60)
+    reported_s = time.monotonic() - started
+    _health_when(app, 200, timeout=600)
+    replaced_s = time.monotonic() - started
+    print(f"\n/healthz 503 after {reported_s:.1f} s, 200 again after {replaced_s:.0f} s")
+    assert unhealthy["status"] == "unhealthy" and "EngineCore is dead" in unhealthy["reason"]
+    (replacement,) = engine_cores(serve_processes)
+    assert replacement.pid != killed.pid
+    with app.client() as client:
+        response = client.post(
+            "/v1/answer", json={"text": _document("TOPAZWALRUS", 1), "questions": ["Code word?"]}
+        )
+    assert response.status_code == 200, response.text
+    assert response.json()["answers"][0]["status"] == "ok"
+
+
+@pytest.mark.engine
 def test_restart_resumes_an_unfinished_job_and_keeps_finished_ones(app: ServeApp) -> None:
     with app.client() as client:
         finished = client.post(
@@ -694,6 +785,17 @@ def _read_events(client: httpx.Client, job_id: str) -> list[tuple[str, dict[str,
             elif line.startswith("data: "):
                 events.append((kind, json.loads(line.removeprefix("data: "))))
     return events
+
+
+def _health_when(app: ServeApp, status: int, timeout: float) -> dict[str, Any]:
+    """The body of the first /healthz response with `status`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        response = httpx.get(f"{app.url}/healthz", timeout=10)
+        if response.status_code == status:
+            return response.json()
+        time.sleep(0.25)
+    raise AssertionError(f"/healthz did not answer {status} within {timeout:.0f} s")
 
 
 def _segments_done(client: httpx.Client, job_id: str) -> int:

@@ -52,9 +52,17 @@ class EngineError(RuntimeError):
     """A request the engine could not serve; the message says what to do."""
 
 
+class EngineUnhealthy(EngineError):
+    """The engine cannot serve any request (its process died, its server does not answer);
+    the message says why, in one line."""
+
+
 class Engine(Protocol):
     model: str
 
     async def generate(self, request: GenerationRequest) -> Completion: ...
+
+    async def check_health(self) -> None:
+        """Returns while the engine can serve requests; raises `EngineUnhealthy` otherwise."""
 
     async def shutdown(self) -> None: ...

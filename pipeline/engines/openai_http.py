@@ -10,7 +10,9 @@ import os
 import time
 from dataclasses import dataclass
 
-from pipeline.engines.base import Completion, EngineError, GenerationRequest
+from pipeline.engines.base import Completion, EngineError, EngineUnhealthy, GenerationRequest
+
+HEALTH_CHECK_TIMEOUT_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,18 @@ class OpenAIEngine:
 
     async def check(self) -> None:
         """Fails fast, with one clear message, when the server is unreachable or lacks the model."""
-        models = await self._call(self._client.with_options(max_retries=1).models.list())
+        await self._check_served(self._client.with_options(max_retries=1))
+
+    async def check_health(self) -> None:
+        """One cheap request, the served models, with a short timeout and no retry."""
+        client = self._client.with_options(max_retries=0, timeout=HEALTH_CHECK_TIMEOUT_S)
+        try:
+            await self._check_served(client)
+        except EngineError as error:
+            raise EngineUnhealthy(str(error)) from None
+
+    async def _check_served(self, client) -> None:  # type: ignore[no-untyped-def]
+        models = await self._call(client.models.list())
         served = [m.id for m in models.data]
         if self.model not in served:
             raise EngineError(

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.engines.base import Completion, EngineError, GenerationRequest
+from pipeline.engines.base import Completion, EngineError, EngineUnhealthy, GenerationRequest
 from pipeline.engines.reaper import descendant_pids, start_watchdog
 
 SMALL_MACHINE_CPUS = 4
@@ -114,6 +114,19 @@ class VLLMEngine:
             finish_reason=choice.finish_reason,
             latency_s=time.perf_counter() - started,
         )
+
+    async def check_health(self) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._llm is None:
+            raise EngineUnhealthy("the vLLM engine was shut down")
+        try:
+            await self._llm.check_health()
+        except EngineDeadError:
+            raise EngineUnhealthy(
+                "vLLM's EngineCore is dead (its process exited, or its output loop failed); "
+                "the engine must be restarted"
+            ) from None
 
     async def reset_prefix_cache(self) -> None:
         """Forgets the KV cached for earlier prompts, so a measurement can start cold."""
