@@ -633,11 +633,12 @@ def _ensure_ray(address: str | None) -> bool:
 
 
 def _first_line(error: BaseException) -> str:
-    """A task's error as its message alone (Ray adds the remote traceback after it)."""
+    """A task's error as its own message (Ray's RayTaskError keeps it as `cause`, and adds the
+    remote traceback to its text)."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, SourceError):
+        return str(cause)
     lines = [line for line in str(error).splitlines() if line.strip()]
-    for line in reversed(lines):  # Ray ends with "SourceError: <message>"
-        if line.startswith(f"{type(error).__name__}: ") or line.startswith("SourceError: "):
-            return line.split(": ", 1)[1]
     return lines[0] if lines else type(error).__name__
 
 
