@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import platform
 import sqlite3
@@ -286,7 +287,7 @@ def listing_only(sources: list[Any], read_tasks: int) -> Any:
     )  # fmt: skip
 
 
-def binary_files(server: Any, uri: str, read_tasks: int) -> Any:
+def binary_files(server: Any, uri: str, read_tasks: int, limit: int) -> Any:
     """ray.data.read_binary_files over the prefix with pyarrow's S3 filesystem, then parse."""
     import pyarrow.fs as pafs
     import ray
@@ -306,7 +307,7 @@ def binary_files(server: Any, uri: str, read_tasks: int) -> Any:
     )
     from ray.data import TaskPoolStrategy
 
-    return dataset.map_batches(
+    return dataset.limit(limit).map_batches(
         parse, batch_format="pyarrow", batch_size=64, compute=TaskPoolStrategy(size=read_tasks)
     )
 
@@ -401,6 +402,8 @@ def main() -> None:
     parser.add_argument("--s3-objects", type=int, default=100_000)
     parser.add_argument("--before-fraction", type=float, default=0.1)
     parser.add_argument("--s3-before-objects", type=int, default=2_000)
+    parser.add_argument("--sql-segment-rows", type=int, default=0, help="rows of the sql run")
+    parser.add_argument("--binary-limit", type=int, default=20_000)
     parser.add_argument("--tokenizer", choices=["model", "word"], default="model")
     parser.add_argument(
         "--stages", choices=["segment", "parse"], default="segment",
@@ -422,12 +425,58 @@ def main() -> None:
     import ray
 
     machine = cpu()
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    earlier: list[dict[str, Any]] = []
+    if args.append and (common.RESULTS / "streaming_reads.json").exists():
+        earlier = json.loads((common.RESULTS / "streaming_reads.json").read_text())["runs"]
+    runs: list[dict[str, Any]] = []
+
+    def save() -> None:
+        """The results so far (a run that is stopped keeps the runs it finished)."""
+        for run in runs:
+            run.setdefault("tokenizer", args.tokenizer)
+            run.setdefault("stages", args.stages)
+            run.setdefault("commit", commit)
+        payload = {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "cpu": machine,
+            "ray": ray.__version__,
+            "commit": commit,
+            "arguments": " ".join(sys.argv[1:]),
+            "runs": earlier + runs,
+        }
+        if args.no_write:
+            print(markdown(payload))
+        else:
+            common.write_results("streaming_reads", payload, markdown(payload))
+
     stack = contextlib.ExitStack()
     folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="memstream-bench-")))
     server = None
+    fills = []
+    # The corpora are written by child processes, before Ray starts: the driver's heap is not
+    # grown by writing them (which would hide what the runs add).
+    fork = multiprocessing.get_context("fork")
     if any(name.startswith("s3") for name in wanted):  # first: Ray's workers get its credentials
         (folder / "s3").mkdir()
         server = stack.enter_context(s3_server(folder / "s3"))
+        fills.append(fork.Process(target=fill_bucket, args=(server, "bench", args.s3_objects)))
+    if any(name.startswith("sql") for name in wanted):
+        fills.append(
+            fork.Process(
+                target=make_sql, args=(folder / "docs.sqlite", args.sql_rows, args.sql_chars)
+            )
+        )
+    started = time.perf_counter()
+    for fill in fills:
+        fill.start()
+    for fill in fills:
+        fill.join()
+        if fill.exitcode:
+            raise SystemExit(f"a corpus could not be written (exit {fill.exitcode})")
+    print(f"corpora: {time.perf_counter() - started:.0f} s", flush=True)
     ray.init(
         num_cpus=2,
         object_store_memory=2 << 30,
@@ -436,36 +485,9 @@ def main() -> None:
         runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}},
     )
     ray.data.DataContext.get_current().enable_progress_bars = False
-    runs: list[dict[str, Any]] = []
     with stack:
         store = f"sqlite:///{folder / 'state.sqlite'}"
-        if any(name.startswith("sql") for name in wanted):
-            started = time.perf_counter()
-            make_sql(folder / "docs.sqlite", args.sql_rows, args.sql_chars)
-            print(f"sql corpus: {time.perf_counter() - started:.0f} s", flush=True)
-            url = f"sqlite:///{folder / 'docs.sqlite'}"
-            full = [SqlSource(url, "SELECT id, title, body FROM docs", text_column="body",
-                              name_column="title")]  # fmt: skip
-            if "sql" in wanted:
-                run = run_context(store, "bench-sql")
-                runs.append(measure(
-                    f"sql: {args.sql_rows:,} x {args.sql_chars // 1000} KB",
-                    lambda: streaming(full, run, args.read_tasks), args.sql_rows,
-                ))  # fmt: skip
-            if "sql-before" in wanted:
-                part = int(args.sql_rows * args.before_fraction)
-                query = f"SELECT id, title, body FROM docs WHERE id < {part}"
-                small = [SqlSource(url, query, text_column="body", name_column="title")]
-                for name, build in (("after", streaming), ("before (main)", before)):
-                    run = run_context(store, f"bench-sql-{name[:5]}-small")
-                    runs.append(measure(
-                        f"sql {name}: {part:,} x {args.sql_chars // 1000} KB",
-                        lambda build=build, run=run: build(small, run, args.read_tasks), part,
-                    ))  # fmt: skip
         if server is not None:
-            started = time.perf_counter()
-            fill_bucket(server, "bench", args.s3_objects)
-            print(f"s3 corpus: {time.perf_counter() - started:.0f} s", flush=True)
             source = S3Source("s3://bench/docs/", endpoint_url=server.endpoint_url)
             if "s3" in wanted:
                 run = run_context(store, "bench-s3")
@@ -473,17 +495,22 @@ def main() -> None:
                     f"s3: {args.s3_objects:,} objects",
                     lambda: streaming([source], run, args.read_tasks), args.s3_objects,
                 ))  # fmt: skip
-            if "s3-binary" in wanted:
-                runs.append(measure(
-                    f"s3 read_binary_files (read + parse only): {args.s3_objects:,} objects",
-                    lambda: binary_files(server, "s3://bench/docs/", args.read_tasks),
-                    args.s3_objects,
-                ))  # fmt: skip
+                save()
             if "s3-before-listing" in wanted:
                 runs.append(measure(
-                    f"s3 before (main), listing + from_items only: {args.s3_objects:,}",
+                    f"s3 before (main), listing + from_items, counted only: {args.s3_objects:,}",
                     lambda: listing_only([source], args.read_tasks), args.s3_objects,
                 ))  # fmt: skip
+                save()
+            if "s3-binary" in wanted:
+                limit = min(args.binary_limit, args.s3_objects)
+                runs.append(measure(
+                    f"s3 read_binary_files over {args.s3_objects:,} objects, first {limit:,} "
+                    "read + parsed",
+                    lambda: binary_files(server, "s3://bench/docs/", args.read_tasks, limit),
+                    limit,
+                ))  # fmt: skip
+                save()
             if "s3-before" in wanted:
                 part = min(args.s3_before_objects, args.s3_objects)
                 prefixes = sorted({f"docs/{n // 1000:03d}/" for n in range(part)})
@@ -497,26 +524,31 @@ def main() -> None:
                         f"s3 {name}: {part:,} objects",
                         lambda build=build, run=run: build(small, run, args.read_tasks), part,
                     ))  # fmt: skip
+                    save()
+        if any(name.startswith("sql") for name in wanted):
+            url = f"sqlite:///{folder / 'docs.sqlite'}"
+            if "sql" in wanted:
+                rows = min(args.sql_segment_rows or args.sql_rows, args.sql_rows)
+                query = f"SELECT id, title, body FROM docs WHERE id < {rows}"
+                full = [SqlSource(url, query, text_column="body", name_column="title")]
+                run = run_context(store, "bench-sql")
+                runs.append(measure(
+                    f"sql: {rows:,} x {args.sql_chars // 1000} KB",
+                    lambda: streaming(full, run, args.read_tasks), rows,
+                ))  # fmt: skip
+                save()
+            if "sql-before" in wanted:
+                part = int(args.sql_rows * args.before_fraction)
+                query = f"SELECT id, title, body FROM docs WHERE id < {part}"
+                small = [SqlSource(url, query, text_column="body", name_column="title")]
+                for name, build in (("after", streaming), ("before (main)", before)):
+                    run = run_context(store, f"bench-sql-{name[:5]}-small")
+                    runs.append(measure(
+                        f"sql {name}: {part:,} x {args.sql_chars // 1000} KB",
+                        lambda build=build, run=run: build(small, run, args.read_tasks), part,
+                    ))  # fmt: skip
+                    save()
     ray.shutdown()
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    for run in runs:
-        run.update(tokenizer=args.tokenizer, stages=args.stages, commit=commit)
-    if args.append and (common.RESULTS / "streaming_reads.json").exists():
-        runs = json.loads((common.RESULTS / "streaming_reads.json").read_text())["runs"] + runs
-    payload = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "cpu": machine,
-        "ray": ray.__version__,
-        "commit": commit,
-        "arguments": " ".join(sys.argv[1:]),
-        "runs": runs,
-    }
-    if args.no_write:
-        print(markdown(payload))
-    else:
-        common.write_results("streaming_reads", payload, markdown(payload))
 
 
 if __name__ == "__main__":
