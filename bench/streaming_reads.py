@@ -62,6 +62,29 @@ from pipeline.config import MethodConfig  # noqa: E402
 from pipeline.engines.factory import EngineSpec  # noqa: E402
 from pipeline.job import read_sources  # noqa: E402
 
+NOTES = [
+    "How to read it:",
+    "",
+    "- `s3`, `sql` (read, parse): the job's read (`connectors/reading.py`) at full scale. "
+    "The S3 prefix is one shard, listed page by page inside its read task, objects fetched "
+    "there with 8 threads through pyarrow's S3FileSystem; SQLite is read in 2 hash shards "
+    "through server-side cursors. The driver holds neither the listing nor any text.",
+    "- `s3 before (main), listing + from_items`: what main's driver holds before any document "
+    "is read (`list_items` then `from_items`, drained by a map that only counts): the rise "
+    "is the listing of 100,000 references; main's SQL and dataset items carry their text "
+    "inline in that list, so for the 1 GB table the list alone is the corpus (see the "
+    "`sql ... before` pair: same rows, main's way against this branch's).",
+    "- `s3 read_binary_files`: the other candidate for S3. Ray lists every path on the "
+    "driver when the dataset is made (its rise, over a heap the previous run had already "
+    "grown, so a lower bound), then streams flat; it would also read sidecar question files "
+    "as documents and give no ETags, so the job uses its own datasource.",
+    "- `before` and `after` pairs through segment use tests/fake_engine.py's WordTokenizer "
+    "(`--tokenizer word`) so that they finish on a shared two-core machine: the driver's "
+    "memory does not depend on the tokenizer, which runs in the tasks.",
+    "- Ray keeps task results under 100 KiB in the driver's memory store (Ray's "
+    "max_direct_call_object_size); the read cuts blocks at about 1 MiB of content, so "
+    "document text goes to the object store, and only a shard's last block can be small.",
+]
 MODEL = "smollm2-135m-instruct"
 QUESTION = "What is this document about?"
 MiB = 1 << 20
@@ -371,8 +394,8 @@ def markdown(payload: dict[str, Any]) -> str:
         f"{payload['date']}, {machine['model']} (avx2: {machine['avx2']}, avx512f: "
         f"{machine['avx512f']}), {machine['cores']} cores, {machine['memory_gib']} GiB; load "
         f"average at the start {machine['load_average_at_start']} (a vLLM evaluation shared "
-        f"the machine). ray {payload['ray']}, pyarrow {pa.__version__}, commit "
-        f"{payload['commit']}. `python bench/streaming_reads.py {payload['arguments']}`.",
+        f"the machine). ray {payload['ray']}, pyarrow {pa.__version__}; each run names the "
+        "commit and the arguments it ran with (`python bench/streaming_reads.py ...`).",
         "",
         "The job's stages without the memory stage (no model): read -> parse -> segment + plan "
         "(real tokenizer, SQLite state store), the driver taking one row of counts per "
@@ -382,10 +405,11 @@ def markdown(payload: dict[str, Any]) -> str:
         "",
     ]
     lines += common.table(
-        ["run", "tokenizer", "documents", "time (s)", "docs/s", "peak RSS (MiB)", "rise (MiB)",
-         "spread after 10% (MiB)", "slope (MiB/min)"],
+        ["run", "tokenizer", "commit", "documents", "time (s)", "docs/s", "peak RSS (MiB)",
+         "rise (MiB)", "spread after 10% (MiB)", "slope (MiB/min)"],
         [
-            (r["name"], r.get("tokenizer", ""), f"{r['documents']:,}", r["seconds"],
+            (r["name"], r.get("tokenizer", ""), r.get("commit", ""), f"{r['documents']:,}",
+             r["seconds"],
              r["documents_per_s"], r["peak_mib"], r["rise_mib"], r["settled_spread_mib"],
              r["settled_slope_mib_per_min"])
             for r in payload["runs"]
@@ -439,6 +463,7 @@ def main() -> None:
             run.setdefault("tokenizer", args.tokenizer)
             run.setdefault("stages", args.stages)
             run.setdefault("commit", commit)
+            run.setdefault("arguments", " ".join(sys.argv[1:]))
         payload = {
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "cpu": machine,
@@ -446,6 +471,7 @@ def main() -> None:
             "commit": commit,
             "arguments": " ".join(sys.argv[1:]),
             "runs": earlier + runs,
+            "notes": NOTES,
         }
         if args.no_write:
             print(markdown(payload))
