@@ -1,7 +1,10 @@
 """Streaming document sources (local files, S3, SQL, Parquet/JSONL) and output locations.
 
-S3Source needs boto3 (extra "s3") and SqlSource SQLAlchemy (extra "sql"); they are imported
-only when used, so local sources work without those extras.
+A job reads its sources as one Ray Data read (connectors.reading: shards planned on the driver,
+items listed and fetched in read tasks). S3Source needs boto3 (extra "s3") for its listing and
+reads objects through pyarrow's S3 filesystem, as the outputs are written; SqlSource needs
+SQLAlchemy (extra "sql"). They are imported only when used, so local sources work without
+those extras.
 """
 
 from __future__ import annotations

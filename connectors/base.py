@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import pyarrow as pa
 
 # A file `report.pdf` may carry its questions beside it, in `report.pdf.questions.txt` (one
 # question a line) or `report.pdf.questions.json` (a list of strings, or {"questions": [...]}).
@@ -23,6 +25,39 @@ class SourceItem:
     text: str | None = None
     data: bytes | None = None
     questions: tuple[str, ...] = ()
+    # Why the item cannot be read (a bad sidecar or questions value, an unreadable object):
+    # it becomes an `errors` row instead of stopping the listing.
+    error: str | None = None
+
+
+# An item as a row of the Ray Data stream (connectors.reading): what the read stage takes.
+ITEM_SCHEMA = pa.schema(
+    [
+        ("source_index", pa.int32()),
+        ("uri", pa.string()),
+        ("name", pa.string()),
+        ("size", pa.int64()),
+        ("metadata", pa.string()),  # JSON
+        ("text", pa.string()),
+        ("data", pa.binary()),
+        ("questions", pa.list_(pa.string())),
+        ("error", pa.string()),
+    ]
+)
+
+
+def item_row(source_index: int, item: SourceItem) -> dict[str, Any]:
+    return {
+        "source_index": source_index,
+        "uri": item.uri,
+        "name": item.name,
+        "size": item.size,
+        "metadata": json.dumps(item.metadata, sort_keys=True, default=str),
+        "text": item.text,
+        "data": item.data,
+        "questions": list(item.questions),
+        "error": item.error,
+    }
 
 
 class SourceError(RuntimeError):
@@ -31,12 +66,32 @@ class SourceError(RuntimeError):
 
 @runtime_checkable
 class Source(Protocol):
+    """A source is read in shards: the driver asks for `shards()` (cheap and small: no
+    document, no listing of them), and Ray read tasks stream each shard's items with
+    `shard_items()` (connectors.reading). `items()` streams them all in one process."""
+
+    # Threads a read task uses to fetch the content of the items that carry none inline.
+    read_threads: int
+
     def check(self) -> None:
         """Raises SourceError now when items() or read_bytes() could not work."""
         ...
 
     def items(self) -> Iterator[SourceItem]:
         """Streams the documents, in a deterministic order, without listing them all first."""
+        ...
+
+    def shards(self, parallelism: int) -> Sequence[Any]:
+        """At most `parallelism` picklable parts that together list every item once."""
+        ...
+
+    def shard_items(self, shard: Any) -> Iterator[SourceItem]:
+        """Streams the items of one shard, in a deterministic order."""
+        ...
+
+    def sizes(self) -> Iterator[int]:
+        """The documents' sizes in bytes, lazily, from metadata where the source has it (for
+        an estimate of the work: a caller stops reading once it knows enough)."""
         ...
 
     def read_bytes(self, item: SourceItem) -> bytes:

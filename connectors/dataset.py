@@ -20,8 +20,11 @@ class DatasetSource:
     """One document per row, its content inline in `text_column`.
 
     `path` is a file, a folder or a glob; its files are read in path order. `format` is
-    "parquet" or "jsonl", by default from each file's extension.
+    "parquet" or "jsonl", by default from each file's extension. A job reads each Parquet row
+    group, and each JSON Lines file, in a Ray read task (a shard) of its own.
     """
+
+    read_threads = 1  # the content is in the rows
 
     def __init__(
         self,
@@ -70,11 +73,44 @@ class DatasetSource:
 
     def items(self) -> Iterator[SourceItem]:
         for path in self._files():
-            rows = (
-                self._parquet_rows(path) if self._format(path) == "parquet" else _jsonl_rows(path)
-            )
-            for row in rows:
-                yield self._item(path, row)
+            yield from self.shard_items((str(path), None))
+
+    def shards(self, parallelism: int) -> list[Any]:
+        """(path, row group) for each Parquet row group, (path, None) for a JSON Lines file:
+        the files' footers are read here, never their rows."""
+        shards: list[Any] = []
+        for path in self._files():
+            if self._format(path) == "parquet":
+                groups = self._parquet_file(path).metadata.num_row_groups
+                shards.extend((str(path), group) for group in range(groups))
+            else:
+                shards.append((str(path), None))
+        return shards
+
+    def shard_items(self, shard: Any) -> Iterator[SourceItem]:
+        name, group = shard
+        path = Path(name)
+        if self._format(path) == "parquet":
+            rows = self._parquet_rows(path, None if group is None else [group])
+        else:
+            rows = _jsonl_rows(path)
+        for row in rows:
+            yield self._item(path, row)
+
+    def sizes(self) -> Iterator[int]:
+        """The text column's uncompressed bytes in each Parquet row group, or a JSON Lines
+        file's size: from the footers and the file system, without reading a row."""
+        for path in self._files():
+            if self._format(path) != "parquet":
+                yield path.stat().st_size
+                continue
+            metadata = self._parquet_file(path).metadata
+            for group in range(metadata.num_row_groups):
+                row_group = metadata.row_group(group)
+                for index in range(row_group.num_columns):
+                    column = row_group.column(index)
+                    if column.path_in_schema == self.text_column:
+                        yield column.total_uncompressed_size
 
     def read_bytes(self, item: SourceItem) -> bytes:
         raise SourceError(f"{item.uri} has no content: its text column is empty")
@@ -97,9 +133,19 @@ class DatasetSource:
         first = next(_jsonl_rows(path), {})
         return list(first)
 
-    def _parquet_rows(self, path: Path) -> Iterator[dict[str, Any]]:
+    def _parquet_file(self, path: Path) -> pq.ParquetFile:
         try:
-            batches = pq.ParquetFile(path).iter_batches(self.batch_size, columns=self.columns)
+            return pq.ParquetFile(path)
+        except (OSError, pa.ArrowException) as e:
+            raise SourceError(f"{path}: not a readable Parquet file ({e})") from None
+
+    def _parquet_rows(
+        self, path: Path, row_groups: list[int] | None = None
+    ) -> Iterator[dict[str, Any]]:
+        try:
+            batches = self._parquet_file(path).iter_batches(
+                self.batch_size, row_groups=row_groups, columns=self.columns
+            )
             for batch in batches:
                 yield from batch.to_pylist()
         except (OSError, pa.ArrowException) as e:
@@ -113,8 +159,12 @@ class DatasetSource:
         except KeyError as e:
             raise SourceError(f"{path}: a row has no column {e}") from None
         questions: tuple[str, ...] = ()
+        error = None
         if self.questions_column:
-            questions = coerce_questions(row.get(self.questions_column), f"{path} row {row_id}")
+            try:
+                questions = coerce_questions(row.get(self.questions_column), f"{path} row {row_id}")
+            except SourceError as e:
+                error = str(e)
         metadata = {column: plain_value(row.get(column)) for column in self.metadata_columns}
         return SourceItem(
             uri=f"{path.as_uri()}#{row_id}",
@@ -122,6 +172,7 @@ class DatasetSource:
             metadata=metadata,
             text=None if content is None else str(content),
             questions=questions,
+            error=error,
         )
 
 

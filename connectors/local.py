@@ -6,6 +6,7 @@ import glob
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 from connectors.base import (
@@ -67,7 +68,12 @@ def path_of(uri: str) -> Path:
 
 
 class LocalSource:
-    """Files named by paths: each a file, a folder (read recursively) or a glob pattern."""
+    """Files named by paths: each a file, a folder (read recursively) or a glob pattern.
+
+    One shard walks all the paths (so a file named twice is listed once): the walk is lazy and
+    runs in a Ray read task, which also reads the files' bytes."""
+
+    read_threads = 1
 
     def __init__(self, paths: Sequence[str] | str) -> None:
         self.paths = [paths] if isinstance(paths, str) else list(paths)
@@ -85,15 +91,38 @@ class LocalSource:
                 )
 
     def items(self) -> Iterator[SourceItem]:
-        for path in expand_paths(self.paths):
-            stat = path.stat()
+        for shard in self.shards(1):
+            yield from self.shard_items(shard)
+
+    def shards(self, parallelism: int) -> list[Any]:
+        return [tuple(self.paths)]
+
+    def shard_items(self, shard: Any) -> Iterator[SourceItem]:
+        for path in expand_paths(shard):
+            try:
+                stat = path.stat()
+            except OSError as e:  # gone since the walk saw it
+                yield SourceItem(path.as_uri(), path.name, error=f"cannot read {path}: {e}")
+                continue
+            try:
+                questions, error = _sidecar_questions(path), None
+            except (SourceError, OSError, UnicodeDecodeError) as e:
+                questions, error = (), f"questions beside {path.name}: {e}"
             yield SourceItem(
                 uri=path.as_uri(),
                 name=path.name,
                 size=stat.st_size,
                 metadata={"mtime": stat.st_mtime},
-                questions=_sidecar_questions(path),
+                questions=questions,
+                error=error,
             )
+
+    def sizes(self) -> Iterator[int]:
+        for path in expand_paths(self.paths):
+            try:
+                yield path.stat().st_size
+            except OSError:
+                continue
 
     def read_bytes(self, item: SourceItem) -> bytes:
         path = path_of(item.uri)

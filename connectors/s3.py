@@ -1,16 +1,29 @@
-"""Documents in an S3 bucket (AWS or any S3-compatible store), listed page by page."""
+"""Documents in an S3 bucket (AWS or any S3-compatible store), listed page by page.
+
+Objects are read through pyarrow's S3 filesystem, the one the outputs are written with
+(connectors.output). The listing stays on boto3's paginator: pyarrow lists a prefix only whole,
+as one list built before it returns, and without the objects' ETags; a page of 1,000 keys at a
+time keeps a read task flat at any number of objects.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
 import boto3
+import pyarrow.fs as pafs
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from connectors.base import SourceError, SourceItem, is_hidden, is_sidecar, parse_sidecar
+
+# pyarrow's names (in its OSError messages) of the AWS errors that mean the credentials are
+# wrong or lack the right; DENIED_CODES are boto3's.
+ARROW_DENIED_CODES = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH")
+ARROW_UNREACHABLE_CODES = ("NETWORK_CONNECTION", "REQUEST_TIMEOUT", "SERVICE_UNAVAILABLE")
 
 DENIED_CODES = {
     "403",
@@ -34,9 +47,14 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
 class S3Source:
     """Every object under s3://bucket/prefix, in key order.
 
-    Credentials come from boto3's standard chain (environment, profile, instance role); they are
-    never stored here. The client is made on first use, so the source pickles to Ray workers.
+    Credentials come from the standard chain (environment, profile, instance role) of boto3
+    and of pyarrow's AWS SDK; they are never stored here. The client and the filesystem are
+    made on first use in each process, so the source pickles to Ray workers. One shard lists
+    the whole prefix, lazily, in a read task, which fetches the objects with `read_threads`
+    threads.
     """
+
+    read_threads = 8
 
     def __init__(
         self,
@@ -85,7 +103,24 @@ class S3Source:
                 f"no objects under s3://{self.bucket}/{self.prefix}: check the prefix"
             )
 
+    @property
+    def filesystem(self) -> pafs.S3FileSystem:
+        return _s3_filesystem(self.endpoint_url, self.region, self.max_attempts)
+
     def items(self) -> Iterator[SourceItem]:
+        for shard in self.shards(1):
+            yield from self.shard_items(shard)
+
+    def shards(self, parallelism: int) -> list[Any]:
+        return [self.prefix]
+
+    def sizes(self) -> Iterator[int]:
+        for obj in self._list():
+            key = obj["Key"]
+            if not is_sidecar(key) and not self._hidden(key) and not key.endswith("/"):
+                yield int(obj.get("Size") or 0)
+
+    def shard_items(self, shard: Any) -> Iterator[SourceItem]:
         # Keys come sorted, so a document's sidecars (its key plus a suffix) come after it and
         # before any key that does not start with it. A document waits in `pending` only while
         # the keys that follow start with its own key: a few documents at most.
@@ -128,8 +163,12 @@ class S3Source:
 
     def _item(self, obj: dict[str, Any], sidecars: list[str]) -> SourceItem:
         questions: tuple[str, ...] = ()
-        for sidecar in sidecars:
-            questions += parse_sidecar(sidecar, self._get(self.bucket, sidecar))
+        error = None
+        try:
+            for sidecar in sidecars:
+                questions += parse_sidecar(sidecar, self._get(self.bucket, sidecar))
+        except (SourceError, UnicodeDecodeError) as e:
+            questions, error = (), f"questions beside s3://{self.bucket}/{obj['Key']}: {e}"
         return SourceItem(
             uri=f"s3://{self.bucket}/{obj['Key']}",
             name=obj["Key"].rsplit("/", 1)[-1],
@@ -139,13 +178,31 @@ class S3Source:
                 "last_modified": obj["LastModified"].isoformat() if "LastModified" in obj else None,
             },
             questions=questions,
+            error=error,
         )
 
     def _get(self, bucket: str, key: str) -> bytes:
         try:
-            return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
-        except (ClientError, BotoCoreError) as e:
-            raise self._error(e, f"s3://{bucket}/{key}") from None
+            with self.filesystem.open_input_stream(f"{bucket}/{key}") as stream:
+                return stream.read()
+        except OSError as e:
+            raise self._arrow_error(e, f"s3://{bucket}/{key}") from None
+
+    def _arrow_error(self, error: OSError, where: str) -> SourceError:
+        """pyarrow's error as one line, like _error's; its messages hold no secret."""
+        endpoint = f" at {self.endpoint_url}" if self.endpoint_url else ""
+        message = str(error)
+        if isinstance(error, FileNotFoundError):
+            return SourceError(f"{where} does not exist{endpoint}: was it deleted?")
+        code = next((c for c in ARROW_DENIED_CODES if c in message), None)
+        if code:
+            return SourceError(
+                f"access denied to {where}{endpoint} ({code}): check the AWS credentials "
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and their rights"
+            )
+        if any(c in message for c in ARROW_UNREACHABLE_CODES):
+            return SourceError(f"cannot reach S3 for {where}{endpoint}: {_first_line(message)}")
+        return SourceError(f"S3 error on {where}{endpoint}: {_first_line(message)}")
 
     def _error(self, error: Exception, where: str) -> SourceError:
         """One line that says what went wrong and what to do, without any secret."""
@@ -171,3 +228,20 @@ class S3Source:
             message = error.response.get("Error", {}).get("Message", "")
             return SourceError(f"S3 error on {where}{endpoint}: {code} {message}".strip())
         return SourceError(f"cannot reach S3 for {where}{endpoint}: {error}")
+
+
+@functools.cache
+def _s3_filesystem(endpoint_url: str | None, region: str | None, max_attempts: int) -> Any:
+    """One pyarrow S3 filesystem per process and settings (its AWS SDK client is costly)."""
+    return pafs.S3FileSystem(
+        endpoint_override=endpoint_url,
+        region=region,
+        connect_timeout=10,
+        request_timeout=60,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts),
+    )
+
+
+def _first_line(message: str) -> str:
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[0] if lines else "unknown error"

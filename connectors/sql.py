@@ -1,11 +1,18 @@
-"""Documents in the rows of an SQL query, streamed from the server in batches."""
+"""Documents in the rows of an SQL query, streamed from the server in batches.
+
+A job reads the query in shards, each in a Ray read task of its own: shard i of n is the query's
+rows whose id hashes to i modulo n, computed by the database (PostgreSQL's hashtextextended;
+on SQLite, a function this module registers on each connection). Other databases are read in
+one shard. Each shard streams through a server-side cursor, `batch_size` rows at a time.
+"""
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
@@ -14,6 +21,7 @@ from connectors.base import SourceError, SourceItem, coerce_questions, plain_val
 
 # The project installs psycopg 3, while SQLAlchemy's plain "postgresql://" means psycopg2.
 DEFAULT_DRIVERS = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg"}
+SQLITE_SHARD_FUNCTION = "memstream_shard_hash"
 
 
 class SqlSource:
@@ -22,6 +30,8 @@ class SqlSource:
     The password of `url` never shows in repr, errors or item URIs. The engine is made on first
     use, so the source pickles to Ray workers.
     """
+
+    read_threads = 1  # the content is in the rows
 
     def __init__(
         self,
@@ -63,6 +73,8 @@ class SqlSource:
         if self._engine is None:
             try:
                 self._engine = create_engine(self.url, poolclass=NullPool)
+                if self.url.get_backend_name() == "sqlite":
+                    event.listen(self._engine, "connect", _register_shard_hash)
             except ImportError as e:
                 raise SourceError(
                     f"the database driver for {self.url.drivername} is not installed ({e.name}): "
@@ -93,6 +105,23 @@ class SqlSource:
             )
 
     def items(self) -> Iterator[SourceItem]:
+        for shard in self.shards(1):
+            yield from self.shard_items(shard)
+
+    def shards(self, parallelism: int) -> list[Any]:
+        """(i, n) for i < n: n is `parallelism` where the database can hash ids, else 1."""
+        count = parallelism if self._shard_expression(2) is not None else 1
+        return [(index, max(1, count)) for index in range(max(1, count))]
+
+    def shard_items(self, shard: Any) -> Iterator[SourceItem]:
+        index, count = shard
+        query, parameters = self.query, {}
+        if count > 1:
+            query = (
+                f"SELECT * FROM ({self.query}) AS memstream_rows "
+                f"WHERE {self._shard_expression(count)} = :memstream_shard"
+            )
+            parameters = {"memstream_shard": index}
         base_uri = URL.create(
             self.url.drivername, host=self.url.host, port=self.url.port, database=self.url.database
         ).render_as_string()
@@ -101,10 +130,42 @@ class SqlSource:
                 streaming = connection.execution_options(
                     stream_results=True, yield_per=self.batch_size
                 )
-                for row in streaming.execute(text(self.query)):
+                for row in streaming.execute(text(query), parameters):
                     yield self._item(base_uri, row._mapping)
         except SQLAlchemyError as e:
             raise self._error(e) from None
+
+    def sizes(self) -> Iterator[int]:
+        """Each row's content length, computed by the database: no text leaves it."""
+        lengths = [
+            f"length(memstream_rows.{self._quoted(column)})"
+            for column in (self.text_column, self.blob_column)
+            if column
+        ]
+        query = f"SELECT coalesce({', '.join(lengths)}, 0) FROM ({self.query}) AS memstream_rows"
+        try:
+            with self.engine.connect() as connection:
+                streaming = connection.execution_options(stream_results=True, yield_per=10_000)
+                for (length,) in streaming.execute(text(query)):
+                    yield int(length or 0)
+        except SQLAlchemyError as e:
+            raise self._error(e) from None
+
+    def _quoted(self, column: str) -> str:
+        return self.engine.dialect.identifier_preparer.quote(column)
+
+    def _shard_expression(self, count: int) -> str | None:
+        """SQL for the shard (0 to count-1) of a row's id, or None on other databases."""
+        column = f"memstream_rows.{self._quoted(self.id_column)}"
+        backend = self.url.get_backend_name()
+        if backend == "postgresql":
+            # a 64-bit hash of the id's text, its sign bit cleared
+            return (
+                f"((hashtextextended(CAST({column} AS text), 0) & 9223372036854775807) % {count})"
+            )
+        if backend == "sqlite":
+            return f"({SQLITE_SHARD_FUNCTION}({column}) % {count})"
+        return None
 
     def read_bytes(self, item: SourceItem) -> bytes:
         raise SourceError(f"{item.uri} has no content: its text and blob columns are NULL")
@@ -115,8 +176,12 @@ class SqlSource:
         content = row[self.text_column] if self.text_column else None
         default_name = f"{row_id}.txt" if self.text_column else f"{row_id}.bin"
         questions: tuple[str, ...] = ()
+        error = None
         if self.questions_column:
-            questions = coerce_questions(row[self.questions_column], f"row {row_id}")
+            try:
+                questions = coerce_questions(row[self.questions_column], f"row {row_id}")
+            except SourceError as e:
+                error = str(e)
         return SourceItem(
             uri=f"{base_uri}#{row_id}",
             name=str(row[self.name_column]) if self.name_column else default_name,
@@ -125,6 +190,7 @@ class SqlSource:
             text=None if content is None else str(content),
             data=None if blob is None else bytes(blob),
             questions=questions,
+            error=error,
         )
 
     def _error(self, error: SQLAlchemyError) -> SourceError:
@@ -135,6 +201,16 @@ class SqlSource:
         if self.url.password:
             first_line = first_line.replace(str(self.url.password), "***")
         return SourceError(f"SQL source {self.safe_url}: {first_line}")
+
+
+def _register_shard_hash(dbapi_connection: Any, _record: Any) -> None:
+    """SQLite has no hash function: a CRC-32 of the value's text, the same in every process."""
+    dbapi_connection.create_function(
+        SQLITE_SHARD_FUNCTION,
+        1,
+        lambda value: zlib.crc32(str(value).encode()),
+        deterministic=True,
+    )
 
 
 def _parse_url(url: str) -> URL:

@@ -11,25 +11,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from connectors.base import Source, SourceError, SourceItem
+# The items' schema and rows live with the sources that read them (connectors.reading).
+from connectors.base import ITEM_SCHEMA, Source, SourceError, SourceItem, item_row
 from connectors.state.store import ErrorRecord
 from operators.parsing import ParseError, parse_document
 from operators.run import RunContext, doc_id_of, open_store
 
 logger = logging.getLogger(__name__)
-
-ITEM_SCHEMA = pa.schema(
-    [
-        ("source_index", pa.int32()),
-        ("uri", pa.string()),
-        ("name", pa.string()),
-        ("size", pa.int64()),
-        ("metadata", pa.string()),  # JSON
-        ("text", pa.string()),
-        ("data", pa.binary()),
-        ("questions", pa.list_(pa.string())),
-    ]
-)
 
 DOCUMENT_SCHEMA = pa.schema(
     [
@@ -48,22 +36,14 @@ DOCUMENT_SCHEMA = pa.schema(
 )
 
 
-def item_row(source_index: int, item: SourceItem) -> dict[str, Any]:
-    return {
-        "source_index": source_index,
-        "uri": item.uri,
-        "name": item.name,
-        "size": item.size,
-        "metadata": json.dumps(item.metadata, sort_keys=True, default=str),
-        "text": item.text,
-        "data": item.data,
-        "questions": list(item.questions),
-    }
+__all__ = ["DOCUMENT_SCHEMA", "ITEM_SCHEMA", "ReadParseStage", "item_row"]
 
 
 class ReadParseStage:
-    """Items in, documents out: reads each item's bytes (unless it carries its text) and
-    parses them. Runs as plain Ray tasks."""
+    """Items in, documents out: parses each item's bytes, as its read task fetched them
+    (reads them here for an item that comes without: from a source's items() in tests and
+    tools), or takes its inline text. An item whose listing or read failed (its `error`)
+    becomes an errors row. Runs as plain Ray tasks."""
 
     def __init__(self, sources: Sequence[Source], run: RunContext) -> None:
         self.sources = list(sources)
@@ -81,6 +61,8 @@ class ReadParseStage:
         uri, name = row["uri"], row["name"]
         stage = "read"
         try:
+            if row.get("error"):
+                raise SourceError(row["error"])
             if row["text"] is not None:
                 stage = "parse"
                 text, parser, pages, warnings, page_starts = row["text"], "inline", None, (), ()

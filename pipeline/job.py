@@ -1,11 +1,13 @@
 """The corpus job: sources in, answers out, as one Ray Data stream, resumable after any crash.
 
-    items (driver) -> read + parse (tasks) -> segment + plan (tasks) -> memory (actor pool)
+    read (tasks) -> parse (tasks) -> segment + plan (tasks) -> memory (actor pool)
 
 The driver checks every source, the output and the state store first, so a job that cannot work
-fails at once with one message. It lists the items (references, or inline text for row
-sources) and streams them through the stages; the memory stage checkpoints every step in the
-state store. At the end the driver exports the run from the state store to Parquet.
+fails at once with one message. The sources are one Ray Data read (connectors.reading): the
+driver plans their shards, and read tasks list the items and fetch their content, so neither a
+list of the corpus nor a document's text passes through the driver. The items stream through
+the stages; the memory stage checkpoints every step in the state store. At the end the driver
+exports the run from the state store to Parquet.
 
 A job is a `JobSpec`, from YAML (`load_job_spec`) or built in Python; `run_job` runs it and
 returns a `RunSummary`. Rerunning the same spec resumes it: its run id is derived from the spec,
@@ -33,10 +35,11 @@ from platformdirs import user_cache_dir
 
 from connectors import OutputError, Source, SourceError, check_output, open_output, open_source
 from connectors.base import coerce_questions
+from connectors.reading import BLOCK_BYTES, SourceDatasource, estimated_bytes
 from connectors.results import ResultWriter, RunIdentity
 from connectors.state.store import FAILED, RunProgress, StateStore, StateStoreError
 from operators.memory import ENGINE_ACTOR_ENV, MemoryStage
-from operators.read import ReadParseStage, item_row
+from operators.read import ReadParseStage
 from operators.run import Question, RunContext
 from operators.segment import SegmentStage
 from pipeline.config import (
@@ -49,14 +52,18 @@ from pipeline.config import (
 )
 from pipeline.core.chain import CHARS_PER_TOKEN
 from pipeline.engines.base import EngineError
-from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
+from pipeline.engines.factory import (
+    COMPILE_PAYS_OFF_TOKENS,
+    EngineSpec,
+    load_tokenizer,
+    open_engine,
+)
 from pipeline.engines.hardware import detect, with_gpu_workers
 
 logger = logging.getLogger(__name__)
 ProgressCallback = Callable[[RunProgress], None]
 
 STATE_FILE = "memstream-state.sqlite"
-MAX_INPUT_BLOCKS = 2000
 # Room the update template needs besides the chunk, the memory and the question.
 
 
@@ -326,21 +333,29 @@ def default_state_store(output: OutputSpec, base: str) -> str:
     return f"sqlite:///{folder / name}.sqlite"
 
 
-def list_items(sources: Sequence[Source]) -> list[dict[str, Any]]:
-    rows = []
-    for index, source in enumerate(sources):
-        try:
-            rows.extend(item_row(index, item) for item in source.items())
-        except SourceError as error:
-            raise JobError(str(error)) from None
-    return rows
+def check_not_empty(sources: Sequence[Source]) -> None:
+    """Fails unless some source lists a document (it reads the first size, no more)."""
+    try:
+        if not any(next(iter(source.sizes()), None) is not None for source in sources):
+            raise JobError("the sources list no document: check the paths, prefixes or queries")
+    except SourceError as error:
+        raise JobError(str(error)) from None
 
 
-def estimated_tokens(plan: JobPlan, items: Sequence[Mapping[str, Any]]) -> int:
-    """The document tokens the job's chains will read, from the listed sizes (before anything
-    is read or parsed): enough to choose between eager and compiled engines."""
-    characters = sum(item["size"] or len(item["text"] or "") for item in items)
-    return characters // CHARS_PER_TOKEN * max(1, len(plan.questions))
+def estimated_tokens(plan: JobPlan) -> int | None:
+    """The document tokens the job's chains will read, from the sources' sizes (before anything
+    is read or parsed): enough to choose between eager and compiled engines, so the sizes are
+    read only until the choice is clear. None when the engine needs no such choice."""
+    engine = plan.spec.engine
+    if engine.kind != "vllm" or engine.enforce_eager is not None:
+        return None
+    per_document = max(1, len(plan.questions))
+    enough = (COMPILE_PAYS_OFF_TOKENS // per_document + 1) * CHARS_PER_TOKEN
+    try:
+        characters = estimated_bytes(plan.sources, enough)
+    except SourceError as error:
+        raise JobError(str(error)) from None
+    return characters // CHARS_PER_TOKEN * per_document
 
 
 # --- running ------------------------------------------------------------------------------------
@@ -459,11 +474,9 @@ def run_job(
     runs, `on_progress` gets the model calls and chains done so far (by default, a log line)."""
     started, started_at = time.perf_counter(), time.time()
     plan = plan_job(spec)
-    items = list_items(plan.sources)
-    if not items:
-        raise JobError("the sources list no document: check the paths, prefixes or queries")
+    check_not_empty(plan.sources)
     plan.spec = replace(
-        plan.spec, engine=plan.spec.engine.resolved(planned_tokens=estimated_tokens(plan, items))
+        plan.spec, engine=plan.spec.engine.resolved(planned_tokens=estimated_tokens(plan))
     )
     attempt = plan.store.begin_run(plan.run_id, _run_description(plan))
     run = RunContext(
@@ -477,10 +490,14 @@ def run_job(
     started_ray = _ensure_ray(spec.ray_address)
     tally = _Tally()
     try:
-        dataset = _build_dataset(plan, run, items)
+        dataset = _build_dataset(plan, run)
         with watching(plan.store, plan.run_id, attempt, on_progress, progress_interval_s):
             for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
                 tally.add(batch.to_pylist())
+    except SourceError as error:  # a shard that failed as a whole, in its read task
+        with contextlib.suppress(Exception):
+            plan.store.finish_run(plan.run_id, FAILED)
+        raise JobError(_first_line(error)) from None
     except BaseException:
         with contextlib.suppress(Exception):  # keep the error that stopped the run
             plan.store.finish_run(plan.run_id, FAILED)
@@ -491,18 +508,32 @@ def run_job(
 
             ray.shutdown()
     elapsed_s = time.perf_counter() - started
-    return _finish(plan, run, len(items), tally, elapsed_s, started_at)
+    return _finish(plan, run, tally, elapsed_s, started_at)
 
 
-def _build_dataset(plan: JobPlan, run: RunContext, items: list[dict[str, Any]]) -> Any:
+def read_sources(sources: Sequence[Source], read_tasks: int) -> Any:
+    """The sources' items as a Ray Dataset (ITEM_SCHEMA rows), read by Ray tasks; its blocks
+    hold about BLOCK_BYTES of documents each, so long documents flow on one by one."""
     import ray
+
+    # Blocks done per operator say little here; progress comes from the state store instead.
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    datasource = SourceDatasource(sources, parallelism=read_tasks)
+    # One output block count per shard: more would make Ray split each block of the read
+    # into pieces (one row each, here), whatever their size.
+    dataset = ray.data.read_datasource(datasource, override_num_blocks=len(datasource.shards))
+    # The dataset's own copy of the context: every stage after the read cuts its output
+    # blocks at this size too (Ray's default, 128 MiB, would gather a corpus of small
+    # documents into a few blocks, and hold the memory stage back until each is parsed).
+    dataset.context.target_max_block_size = BLOCK_BYTES
+    return dataset
+
+
+def _build_dataset(plan: JobPlan, run: RunContext) -> Any:
     from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
     concurrency = plan.spec.concurrency
-    # Blocks done per operator say little here; progress comes from the state store instead.
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    # One block per item (up to a cap) lets documents flow into the memory stage one by one.
-    dataset = ray.data.from_items(items, override_num_blocks=min(len(items), MAX_INPUT_BLOCKS))
+    dataset = read_sources(plan.sources, concurrency.read_tasks)
     read_compute = TaskPoolStrategy(size=concurrency.read_tasks)
     dataset = dataset.map_batches(
         ReadParseStage(plan.sources, run),
@@ -551,10 +582,19 @@ def _ensure_ray(address: str | None) -> bool:
     return True
 
 
+def _first_line(error: BaseException) -> str:
+    """A task's error as its own message (Ray's RayTaskError keeps it as `cause`, and adds the
+    remote traceback to its text)."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, SourceError):
+        return str(cause)
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
 def _finish(
     plan: JobPlan,
     run: RunContext,
-    n_items: int,
     tally: _Tally,
     elapsed_s: float,
     started_at: float,
@@ -575,7 +615,8 @@ def _finish(
     summary = RunSummary(
         run_id=plan.run_id,
         attempt=run.attempt,
-        documents=n_items,
+        # every input read ends planned (answers rows) or in errors, never both
+        documents=answered + failed_documents,
         documents_answered=answered,
         documents_failed=failed_documents,
         chains=sum(statuses.values()),

@@ -7,6 +7,7 @@ import json
 import pickle
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from connectors import (
     open_output,
     open_source,
 )
+from connectors.base import ITEM_SCHEMA
+from connectors.reading import SourceDatasource, blocks_of, read_shard
 from tests.processes import free_port
 from tests.services import S3Server, require_credential_checks
 
@@ -198,6 +201,47 @@ def test_s3_wrong_credentials_fail_early_without_the_secret(
         S3Source(f"s3://{bucket}/", endpoint_url=s3_server.endpoint_url).check()
 
 
+@pytest.mark.server
+def test_s3_read_task_lists_lazily_and_fetches_through_pyarrow(
+    s3_server: S3Server, bucket: str
+) -> None:
+    client = s3_server.client()
+    bodies = {f"in/doc{number}.txt": f"document {number}".encode() for number in range(5)}
+    for key, body in bodies.items():
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    client.put_object(Bucket=bucket, Key="in/doc1.txt.questions.json", Body=b"[not json")
+    source = S3Source(f"s3://{bucket}/in/", endpoint_url=s3_server.endpoint_url, page_size=2)
+    assert source.shards(8) == ["in/"]  # one shard: the prefix, listed in its read task
+    assert sorted(source.sizes()) == sorted(len(body) for body in bodies.values())
+    shipped = pickle.loads(pickle.dumps(source))  # as Ray ships it to the read task
+    rows = [row for block in read_shard(shipped, 3, "in/") for row in block.to_pylist()]
+    assert [row["uri"] for row in rows] == [f"s3://{bucket}/{key}" for key in sorted(bodies)]
+    # each object's bytes, but for the one whose questions cannot be read: an error row
+    expected = [None if key == "in/doc1.txt" else bodies[key] for key in sorted(bodies)]
+    assert [row["data"] for row in rows] == expected
+    assert {row["source_index"] for row in rows} == {3}
+    errors = {row["name"]: row["error"] for row in rows if row["error"]}
+    assert list(errors) == ["doc1.txt"] and "not valid JSON" in errors["doc1.txt"]
+    assert isinstance(shipped.filesystem, pafs.S3FileSystem)
+
+
+@pytest.mark.server
+def test_s3_object_reads_fail_in_one_line_without_the_secret(
+    s3_server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    require_credential_checks(s3_server)
+    s3_server.client().put_object(Bucket=bucket, Key="a.txt", Body=b"a")
+    source = S3Source(f"s3://{bucket}/", endpoint_url=s3_server.endpoint_url, max_attempts=1)
+    (item,) = source.items()
+    with pytest.raises(SourceError, match="does not exist"):
+        source.read_bytes(replace(item, uri=f"s3://{bucket}/missing.txt"))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
+    wrong = S3Source(f"s3://{bucket}/", endpoint_url=s3_server.endpoint_url, max_attempts=2)
+    with pytest.raises(SourceError, match="access denied") as raised:
+        wrong.read_bytes(item)
+    assert "wrong-secret-value" not in str(raised.value) and "\n" not in str(raised.value)
+
+
 # --- SQL --------------------------------------------------------------------------------------
 
 DOCS = sa.Table(
@@ -308,6 +352,30 @@ def test_sql_password_never_shows_in_repr_or_errors() -> None:
         assert password not in str(raised.value)
 
 
+def test_sql_shards_split_the_rows_once_in_the_database(database: str) -> None:
+    source = SqlSource(database, "SELECT id, body, questions FROM docs", text_column="body")
+    shards = source.shards(3)
+    assert shards == [(0, 3), (1, 3), (2, 3)]
+    sharded = [[item.uri for item in source.shard_items(shard)] for shard in shards]
+    every = [item.uri for item in source.items()]
+    assert sorted(uri for shard in sharded for uri in shard) == sorted(every)
+    assert len(every) == len(make_rows()) and sum(1 for shard in sharded if shard) >= 2
+    assert pickle.loads(pickle.dumps(source)).shards(3) == shards  # the same on a worker
+    # the sizes come from the database (length of the text, or of the blob when it is NULL)
+    rows = make_rows()
+    sizes = list(SqlSource(database, "SELECT id, body, content FROM docs ORDER BY id",
+                           text_column="body", blob_column="content").sizes())  # fmt: skip
+    assert sizes == [len(row["body"] or row["content"]) for row in rows]
+
+
+def test_sql_bad_questions_value_is_an_item_error(database: str) -> None:
+    query = "SELECT id, body, CASE WHEN id = 3 THEN '[1, 2]' ELSE questions END AS q FROM docs"
+    items = list(SqlSource(database, query, text_column="body", questions_column="q").items())
+    assert [item.error for item in items] == [
+        None, None, "row 3: questions must be text or a list of strings", None, None
+    ]  # fmt: skip
+
+
 @pytest.mark.server
 def test_postgres_wrong_password_fails_without_it(postgres_url: str) -> None:
     url = sa.engine.make_url(postgres_url).set(password="not-the-password-42")
@@ -414,6 +482,42 @@ def test_dataset_errors(tmp_path: Path) -> None:
     write(tmp_path / "fake.parquet", "not parquet")
     with pytest.raises(SourceError, match="not a readable Parquet file"):
         dataset_source(tmp_path / "fake.parquet").check()
+
+
+def test_dataset_shards_are_row_groups_and_files(tmp_path: Path) -> None:
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "docs.parquet", row_group_size=1)
+    (tmp_path / "more.jsonl").write_text(json.dumps({**ROWS[0], "doc_id": 9}) + "\n")
+    source = dataset_source(tmp_path)
+    shards = source.shards(2)
+    assert shards == [(str(tmp_path / "docs.parquet"), g) for g in range(3)] + [
+        (str(tmp_path / "more.jsonl"), None)
+    ]
+    sharded = [item for shard in shards for item in source.shard_items(shard)]
+    assert [item.uri for item in sharded] == [item.uri for item in source.items()]
+    assert [item.text for item in sharded] == [row["body"] for row in ROWS] + ["first text"]
+    assert len(list(source.sizes())) == 4  # a row group's text bytes each, and the file's
+
+
+def test_local_bad_sidecar_is_an_item_error(local_tree: Path) -> None:
+    write(local_tree / "b.txt.questions.json", "{not json")
+    items = {item.name: item for item in LocalSource([str(local_tree)]).items()}
+    assert items["b.txt"].questions == () and "not valid JSON" in (items["b.txt"].error or "")
+    assert items["a.txt"].error is None and items["a.txt"].questions == ("Who?", "What?")
+
+
+def test_read_shards_carry_the_content_in_blocks_of_about_block_bytes(local_tree: Path) -> None:
+    source = LocalSource([str(local_tree)])
+    rows = [
+        row for block in read_shard(source, 1, source.shards(4)[0]) for row in block.to_pylist()
+    ]
+    assert [row["data"] for row in rows] == [b"ay", b"bee", b"# sea", b"%PDF-1.4 fake"]
+    big = [{**rows[0], "text": "x" * 40_000, "data": None} for _ in range(10)]
+    blocks = list(blocks_of(big, block_bytes=100_000))
+    assert [block.num_rows for block in blocks] == [3, 3, 3, 1]
+    assert all(block.schema.equals(ITEM_SCHEMA) for block in blocks)
+    datasource = SourceDatasource([source, source], parallelism=4)
+    assert datasource.shards == [(0, tuple(source.paths)), (1, tuple(source.paths))]
+    assert len(datasource.get_read_tasks(200)) == 2
 
 
 # --- open_source ------------------------------------------------------------------------------

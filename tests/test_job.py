@@ -298,6 +298,72 @@ def test_chunk_that_cannot_fit_the_model_fails_early(tmp_path: Path) -> None:
         plan_job(spec)
 
 
+def test_sources_are_one_ray_read_and_every_input_ends_read_or_in_errors(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """Local files, SQL rows and a Parquet dataset through the job's read (Ray read tasks list
+    and fetch; the driver holds no list of items) and its read stage: each input becomes a
+    document or an errors row with its reason, never both, never neither."""
+    import pyarrow as pa
+    import ray
+
+    from connectors import open_source
+    from operators.read import ReadParseStage
+    from pipeline.job import read_sources
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("first document")
+    (folder / "a.txt.questions.json").write_text("{not json")
+    (folder / "empty.txt").write_text("   ")
+    (folder / "b.md").write_text("# second document")
+    database = sqlite_url.replace("memstream.db", f"{uuid.uuid4().hex}.db")
+    with sa.create_engine(database).begin() as connection:
+        connection.exec_driver_sql("CREATE TABLE rows (id int, body text, q text)")
+        connection.exec_driver_sql(
+            "INSERT INTO rows VALUES (1, 'row one', 'Q?'), (2, 'row two', '[1]'), (3, '', NULL)"
+        )
+    pq.write_table(
+        pa.table({"id": [7, 8], "text": ["seven", "eight"]}), tmp_path / "d.parquet",
+        row_group_size=1,
+    )  # fmt: skip
+    sources = [
+        open_source(str(folder)),
+        open_source({"type": "sql", "url": database, "query": "SELECT id, body, q FROM rows",
+                     "text_column": "body", "questions_column": "q"}),
+        open_source({"type": "dataset", "path": str(tmp_path / "d.parquet")}),
+    ]  # fmt: skip
+    store = StateStore(f"sqlite:///{tmp_path / 'state.sqlite'}")
+    store.migrate()
+    attempt = store.begin_run("run-read", {})
+    spec = job(sources=["x"], output=str(tmp_path / "out"))
+    run = RunContext("run-read", attempt, store.url, spec.engine, spec.method, ())
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    try:
+        dataset = read_sources(sources, read_tasks=2)
+        assert dataset.context.target_max_block_size == 1 << 20
+        documents = dataset.map_batches(
+            ReadParseStage(sources, run), batch_format="pyarrow", batch_size=1
+        ).take_all()
+    finally:
+        if started:
+            ray.shutdown()
+    inputs = {(folder / name).as_uri() for name in ("a.txt", "empty.txt", "b.md")}
+    inputs |= {f"{next(iter(sources[1].items())).uri[:-2]}#{n}" for n in (1, 2, 3)}
+    inputs |= {f"{(tmp_path / 'd.parquet').as_uri()}#{n}" for n in (7, 8)}
+    read = {document["source_uri"]: document["text"] for document in documents}
+    failed = {row["source_uri"]: row["message"] for row in store.errors("run-read", attempt)}
+    assert set(read) | set(failed) == inputs and not set(read) & set(failed)
+    assert read[(folder / "b.md").as_uri()] == "# second document"
+    assert "not valid JSON" in failed[(folder / "a.txt").as_uri()]
+    assert failed[(folder / "empty.txt").as_uri()] == "empty document"
+    assert "questions must be text" in failed[f"{next(iter(sources[1].items())).uri[:-2]}#2"]
+    assert len(read) == 4 and len(failed) == 4
+    store.close()
+
+
 # --- the state store, on SQLite and PostgreSQL ------------------------------------------------
 
 
