@@ -113,7 +113,7 @@ class Run:
 
 @dataclass(frozen=True)
 class Extracted:
-    """The unstructured run's output, with the ParsedDocument fields that `record` reads."""
+    """The unstructured run's output, with the ParsedText fields that `record` reads."""
 
     text: str
     parser: str

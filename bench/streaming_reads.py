@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,6 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 import common  # noqa: E402
 
 from connectors import S3Source, SqlSource  # noqa: E402
-from connectors.base import item_row  # noqa: E402
 from connectors.state.store import StateStore  # noqa: E402
 from operators.read import ReadParseStage  # noqa: E402
 from operators.run import Question, RunContext  # noqa: E402
@@ -292,9 +292,18 @@ def before(sources: list[Any], run: RunContext, read_tasks: int) -> Any:
     with from_items, one block per item up to 2,000 (MAX_INPUT_BLOCKS there)."""
     import ray
 
-    rows = [item_row(i, item) for i, source in enumerate(sources) for item in source.items()]
+    rows = listed_rows(sources)
     dataset = ray.data.from_items(rows, override_num_blocks=min(len(rows), 2000))
     return stages(dataset, sources, run, read_tasks)
+
+
+def listed_rows(sources: list[Any]) -> list[dict[str, Any]]:
+    """Every document of the sources, listed on the driver, as rows of the read stage."""
+    return [
+        replace(document, source_index=index).to_row()
+        for index, source in enumerate(sources)
+        for document in source.documents()
+    ]
 
 
 def listing_only(sources: list[Any], read_tasks: int) -> Any:
@@ -302,7 +311,7 @@ def listing_only(sources: list[Any], read_tasks: int) -> Any:
     parse): what main's driver holds for the corpus before any document is read."""
     import ray
 
-    rows = [item_row(i, item) for i, source in enumerate(sources) for item in source.items()]
+    rows = listed_rows(sources)
     dataset = ray.data.from_items(rows, override_num_blocks=min(len(rows), 2000))
     return dataset.map_batches(
         lambda batch: pa.table({"n": [batch.num_rows]}), batch_format="pyarrow",

@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from connectors.base import Source, SourceError, SourceItem
+from connectors.base import Source, SourceError
 from connectors.dataset import DatasetSource
 from connectors.local import LocalSource
 from connectors.output import OutputError, check_output, open_output
@@ -29,7 +29,6 @@ __all__ = [
     "S3Source",
     "Source",
     "SourceError",
-    "SourceItem",
     "SqlSource",
     "check_output",
     "open_output",

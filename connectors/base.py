@@ -1,63 +1,16 @@
-"""What every document source shares: the item it lists, its error and its protocol."""
+"""What every document source shares: its protocol, its error and the sidecar questions."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-import pyarrow as pa
+from pipeline.core.document import Document
 
 # A file `report.pdf` may carry its questions beside it, in `report.pdf.questions.txt` (one
 # question a line) or `report.pdf.questions.json` (a list of strings, or {"questions": [...]}).
 SIDECAR_SUFFIXES = (".questions.txt", ".questions.json")
-
-
-@dataclass(frozen=True)
-class SourceItem:
-    """One input document: cheap to list, picklable, read later (or carried inline)."""
-
-    uri: str
-    name: str
-    size: int | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    text: str | None = None
-    data: bytes | None = None
-    questions: tuple[str, ...] = ()
-    # Why the item cannot be read (a bad sidecar or questions value, an unreadable object):
-    # it becomes an `errors` row instead of stopping the listing.
-    error: str | None = None
-
-
-# An item as a row of the Ray Data stream (connectors.reading): what the read stage takes.
-ITEM_SCHEMA = pa.schema(
-    [
-        ("source_index", pa.int32()),
-        ("uri", pa.string()),
-        ("name", pa.string()),
-        ("size", pa.int64()),
-        ("metadata", pa.string()),  # JSON
-        ("text", pa.string()),
-        ("data", pa.binary()),
-        ("questions", pa.list_(pa.string())),
-        ("error", pa.string()),
-    ]
-)
-
-
-def item_row(source_index: int, item: SourceItem) -> dict[str, Any]:
-    return {
-        "source_index": source_index,
-        "uri": item.uri,
-        "name": item.name,
-        "size": item.size,
-        "metadata": json.dumps(item.metadata, sort_keys=True, default=str),
-        "text": item.text,
-        "data": item.data,
-        "questions": list(item.questions),
-        "error": item.error,
-    }
 
 
 class SourceError(RuntimeError):
@@ -68,7 +21,7 @@ class SourceError(RuntimeError):
 class Source(Protocol):
     """A source is read in shards: the driver asks for `shards()` (cheap and small: no
     document, no listing of them), and Ray read tasks stream each shard's items with
-    `shard_items()` (connectors.reading). `items()` streams them all in one process."""
+    `shard_documents()` (connectors.reading). `documents()` streams them all in one process."""
 
     # Threads a read task uses to fetch the content of the items that carry none inline.
     read_threads: int
@@ -77,7 +30,7 @@ class Source(Protocol):
         """Raises SourceError now when items() or read_bytes() could not work."""
         ...
 
-    def items(self) -> Iterator[SourceItem]:
+    def documents(self) -> Iterator[Document]:
         """Streams the documents, in a deterministic order, without listing them all first."""
         ...
 
@@ -85,7 +38,7 @@ class Source(Protocol):
         """At most `parallelism` picklable parts that together list every item once."""
         ...
 
-    def shard_items(self, shard: Any) -> Iterator[SourceItem]:
+    def shard_documents(self, shard: Any) -> Iterator[Document]:
         """Streams the items of one shard, in a deterministic order."""
         ...
 
@@ -94,7 +47,7 @@ class Source(Protocol):
         an estimate of the work: a caller stops reading once it knows enough)."""
         ...
 
-    def read_bytes(self, item: SourceItem) -> bytes:
+    def read_bytes(self, document: Document) -> bytes:
         """The content of an item that carries none inline."""
         ...
 

@@ -10,8 +10,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from connectors.base import SourceError, SourceItem, coerce_questions, plain_value
+from connectors.base import SourceError, coerce_questions, plain_value
 from connectors.local import expand_paths
+from pipeline.core.document import Document
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 
@@ -71,9 +72,9 @@ class DatasetSource:
                     "fix the column names"
                 )
 
-    def items(self) -> Iterator[SourceItem]:
+    def documents(self) -> Iterator[Document]:
         for path in self._files():
-            yield from self.shard_items((str(path), None))
+            yield from self.shard_documents((str(path), None))
 
     def shards(self, parallelism: int) -> list[Any]:
         """(path, row group) for each Parquet row group, (path, None) for a JSON Lines file:
@@ -87,7 +88,7 @@ class DatasetSource:
                 shards.append((str(path), None))
         return shards
 
-    def shard_items(self, shard: Any) -> Iterator[SourceItem]:
+    def shard_documents(self, shard: Any) -> Iterator[Document]:
         name, group = shard
         path = Path(name)
         if self._format(path) == "parquet":
@@ -112,7 +113,7 @@ class DatasetSource:
                     if column.path_in_schema == self.text_column:
                         yield column.total_uncompressed_size
 
-    def read_bytes(self, item: SourceItem) -> bytes:
+    def read_bytes(self, item: Document) -> bytes:
         raise SourceError(f"{item.uri} has no content: its text column is empty")
 
     def _files(self) -> Iterator[Path]:
@@ -151,7 +152,7 @@ class DatasetSource:
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"{path}: cannot read Parquet rows ({e})") from None
 
-    def _item(self, path: Path, row: Mapping[str, Any]) -> SourceItem:
+    def _item(self, path: Path, row: Mapping[str, Any]) -> Document:
         try:
             row_id = str(row[self.id_column])
             content = row[self.text_column]
@@ -166,7 +167,7 @@ class DatasetSource:
             except SourceError as e:
                 error = str(e)
         metadata = {column: plain_value(row.get(column)) for column in self.metadata_columns}
-        return SourceItem(
+        return Document(
             uri=f"{path.as_uri()}#{row_id}",
             name=name,
             metadata=metadata,

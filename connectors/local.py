@@ -12,11 +12,11 @@ from urllib.parse import unquote, urlparse
 from connectors.base import (
     SIDECAR_SUFFIXES,
     SourceError,
-    SourceItem,
     is_hidden,
     is_sidecar,
     parse_sidecar,
 )
+from pipeline.core.document import Document
 
 GLOB_CHARS = ("*", "?", "[")
 
@@ -90,25 +90,25 @@ class LocalSource:
                     f"no input files at {pattern!r}: check that the path exists and is readable"
                 )
 
-    def items(self) -> Iterator[SourceItem]:
+    def documents(self) -> Iterator[Document]:
         for shard in self.shards(1):
-            yield from self.shard_items(shard)
+            yield from self.shard_documents(shard)
 
     def shards(self, parallelism: int) -> list[Any]:
         return [tuple(self.paths)]
 
-    def shard_items(self, shard: Any) -> Iterator[SourceItem]:
+    def shard_documents(self, shard: Any) -> Iterator[Document]:
         for path in expand_paths(shard):
             try:
                 stat = path.stat()
             except OSError as e:  # gone since the walk saw it
-                yield SourceItem(path.as_uri(), path.name, error=f"cannot read {path}: {e}")
+                yield Document(path.as_uri(), path.name, error=f"cannot read {path}: {e}")
                 continue
             try:
                 questions, error = _sidecar_questions(path), None
             except (SourceError, OSError, UnicodeDecodeError) as e:
                 questions, error = (), f"questions beside {path.name}: {e}"
-            yield SourceItem(
+            yield Document(
                 uri=path.as_uri(),
                 name=path.name,
                 size=stat.st_size,
@@ -124,7 +124,7 @@ class LocalSource:
             except OSError:
                 continue
 
-    def read_bytes(self, item: SourceItem) -> bytes:
+    def read_bytes(self, item: Document) -> bytes:
         path = path_of(item.uri)
         try:
             return path.read_bytes()

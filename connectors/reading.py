@@ -1,16 +1,16 @@
-"""Sources as one Ray Data read: the driver plans shards, read tasks stream the items.
+"""Sources as one Ray Data read: the driver plans shards, read tasks stream the documents.
 
     driver: source.shards() -> one ReadTask per shard (a few small tuples, no document)
-    read task: source.shard_items(shard) -> each item's content -> Arrow blocks (ITEM_SCHEMA)
+    read task: source.shard_documents(shard) -> their content -> blocks of DOCUMENT_SCHEMA rows
 
-No list of the corpus and no document text passes through the driver: a shard lists its items
+No list of the corpus and no document text passes through the driver: a shard lists its documents
 lazily (a folder walk, S3 pages of 1,000 keys, an SQL server-side cursor, a Parquet row group
-or a JSON Lines file) inside its read task, which also fetches the content of the items that
+or a JSON Lines file) inside its read task, which also fetches the content of those that
 carry none inline (files, objects), with the source's `read_threads` threads. Blocks are cut at
 about `block_bytes` of content, so that a block of long documents holds one or a few, and one
 of tiny ones many; Ray keeps blocks over 100 KiB in its object store, out of the driver.
 
-An item that cannot be read becomes a row with its `error`, which the read stage records in
+A document that cannot be read becomes a row with its `error`, which the read stage records in
 the errors table. A shard that fails as a whole (a database or a bucket gone mid-listing, a
 line of JSON that does not parse) fails the read task, and with it the job, with its message.
 """
@@ -29,7 +29,8 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from connectors.base import ITEM_SCHEMA, Source, SourceError, SourceItem, item_row
+from connectors.base import Source, SourceError
+from pipeline.core.document import DOCUMENT_SCHEMA, Document
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,9 @@ class SourceDatasource(Datasource):
                 num_rows=None, size_bytes=None, input_files=None, exec_stats=None
             )
             tasks.append(
-                ReadTask(read, metadata, schema=ITEM_SCHEMA, per_task_row_limit=per_task_row_limit)
+                ReadTask(
+                    read, metadata, schema=DOCUMENT_SCHEMA, per_task_row_limit=per_task_row_limit
+                )
             )
         return tasks
 
@@ -92,14 +95,15 @@ class SourceDatasource(Datasource):
 def read_shard(
     source: Source, index: int, shard: Any, block_bytes: int = BLOCK_BYTES
 ) -> Iterator[pa.Table]:
-    """The blocks of one shard: its items with their content, about block_bytes a block."""
-    items = with_content(source, source.shard_items(shard))
-    yield from blocks_of((item_row(index, item) for item in items), block_bytes)
+    """The blocks of one shard: its documents with their content, about block_bytes a block."""
+    documents = with_content(source, source.shard_documents(shard))
+    rows = (replace(document, source_index=index).to_row() for document in documents)
+    yield from blocks_of(rows, block_bytes)
 
 
-def with_content(source: Source, items: Iterable[SourceItem]) -> Iterator[SourceItem]:
-    """The items, in order, each with its bytes read unless it carries text or bytes (or an
-    error) already; a read that fails gives the item an error instead."""
+def with_content(source: Source, items: Iterable[Document]) -> Iterator[Document]:
+    """The documents, in order, each with its bytes read unless it carries text or bytes (or
+    an error) already; a read that fails gives the document an error instead."""
     threads = max(1, getattr(source, "read_threads", 1))
     if threads == 1:
         yield from (_fetched(source, item) for item in items)
@@ -108,7 +112,7 @@ def with_content(source: Source, items: Iterable[SourceItem]) -> Iterator[Source
         yield from _bounded_map(pool, partial(_fetched, source), items, window=2 * threads)
 
 
-def _fetched(source: Source, item: SourceItem) -> SourceItem:
+def _fetched(source: Source, item: Document) -> Document:
     if item.text is not None or item.data is not None or item.error is not None:
         return item
     try:
@@ -121,10 +125,10 @@ def _fetched(source: Source, item: SourceItem) -> SourceItem:
 
 def _bounded_map(
     pool: ThreadPoolExecutor,
-    function: Callable[[SourceItem], SourceItem],
-    items: Iterable[SourceItem],
+    function: Callable[[Document], Document],
+    items: Iterable[Document],
     window: int,
-) -> Iterator[SourceItem]:
+) -> Iterator[Document]:
     """pool.map, in order, with at most `window` items read ahead (pool.map takes its whole
     input first)."""
     iterator = iter(items)
@@ -144,10 +148,10 @@ def blocks_of(rows: Iterable[dict[str, Any]], block_bytes: int = BLOCK_BYTES) ->
         batch.append(row)
         size += len(row["text"] or "") + len(row["data"] or b"") + 256
         if size >= block_bytes or len(batch) >= MAX_ROWS_PER_BLOCK:
-            yield pa.Table.from_pylist(batch, schema=ITEM_SCHEMA)
+            yield pa.Table.from_pylist(batch, schema=DOCUMENT_SCHEMA)
             batch, size = [], 0
     if batch:
-        yield pa.Table.from_pylist(batch, schema=ITEM_SCHEMA)
+        yield pa.Table.from_pylist(batch, schema=DOCUMENT_SCHEMA)
 
 
 def estimated_bytes(sources: Sequence[Source], enough: int) -> int:

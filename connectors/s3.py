@@ -18,7 +18,8 @@ import pyarrow.fs as pafs
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-from connectors.base import SourceError, SourceItem, is_hidden, is_sidecar, parse_sidecar
+from connectors.base import SourceError, is_hidden, is_sidecar, parse_sidecar
+from pipeline.core.document import Document
 
 # pyarrow's names (in its OSError messages) of the AWS errors that mean the credentials are
 # wrong or lack the right; DENIED_CODES are boto3's.
@@ -107,9 +108,9 @@ class S3Source:
     def filesystem(self) -> pafs.S3FileSystem:
         return _s3_filesystem(self.endpoint_url, self.region, self.max_attempts)
 
-    def items(self) -> Iterator[SourceItem]:
+    def documents(self) -> Iterator[Document]:
         for shard in self.shards(1):
-            yield from self.shard_items(shard)
+            yield from self.shard_documents(shard)
 
     def shards(self, parallelism: int) -> list[Any]:
         return [self.prefix]
@@ -120,7 +121,7 @@ class S3Source:
             if not is_sidecar(key) and not self._hidden(key) and not key.endswith("/"):
                 yield int(obj.get("Size") or 0)
 
-    def shard_items(self, shard: Any) -> Iterator[SourceItem]:
+    def shard_documents(self, shard: Any) -> Iterator[Document]:
         # Keys come sorted, so a document's sidecars (its key plus a suffix) come after it and
         # before any key that does not start with it. A document waits in `pending` only while
         # the keys that follow start with its own key: a few documents at most.
@@ -141,7 +142,7 @@ class S3Source:
         for document in pending:
             yield self._item(*document)
 
-    def read_bytes(self, item: SourceItem) -> bytes:
+    def read_bytes(self, item: Document) -> bytes:
         bucket, key = split_s3_uri(item.uri)
         return self._get(bucket, key)
 
@@ -161,7 +162,7 @@ class S3Source:
     def _hidden(self, key: str) -> bool:
         return any(is_hidden(part) for part in key[len(self.prefix) :].split("/"))
 
-    def _item(self, obj: dict[str, Any], sidecars: list[str]) -> SourceItem:
+    def _item(self, obj: dict[str, Any], sidecars: list[str]) -> Document:
         questions: tuple[str, ...] = ()
         error = None
         try:
@@ -169,7 +170,7 @@ class S3Source:
                 questions += parse_sidecar(sidecar, self._get(self.bucket, sidecar))
         except (SourceError, UnicodeDecodeError) as e:
             questions, error = (), f"questions beside s3://{self.bucket}/{obj['Key']}: {e}"
-        return SourceItem(
+        return Document(
             uri=f"s3://{self.bucket}/{obj['Key']}",
             name=obj["Key"].rsplit("/", 1)[-1],
             size=obj.get("Size"),

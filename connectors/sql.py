@@ -17,7 +17,8 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from connectors.base import SourceError, SourceItem, coerce_questions, plain_value
+from connectors.base import SourceError, coerce_questions, plain_value
+from pipeline.core.document import Document
 
 # The project installs psycopg 3, while SQLAlchemy's plain "postgresql://" means psycopg2.
 DEFAULT_DRIVERS = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg"}
@@ -104,16 +105,16 @@ class SqlSource:
                 "fix the query or the column names"
             )
 
-    def items(self) -> Iterator[SourceItem]:
+    def documents(self) -> Iterator[Document]:
         for shard in self.shards(1):
-            yield from self.shard_items(shard)
+            yield from self.shard_documents(shard)
 
     def shards(self, parallelism: int) -> list[Any]:
         """(i, n) for i < n: n is `parallelism` where the database can hash ids, else 1."""
         count = parallelism if self._shard_expression(2) is not None else 1
         return [(index, max(1, count)) for index in range(max(1, count))]
 
-    def shard_items(self, shard: Any) -> Iterator[SourceItem]:
+    def shard_documents(self, shard: Any) -> Iterator[Document]:
         index, count = shard
         query, parameters = self.query, {}
         if count > 1:
@@ -167,10 +168,10 @@ class SqlSource:
             return f"({SQLITE_SHARD_FUNCTION}({column}) % {count})"
         return None
 
-    def read_bytes(self, item: SourceItem) -> bytes:
+    def read_bytes(self, item: Document) -> bytes:
         raise SourceError(f"{item.uri} has no content: its text and blob columns are NULL")
 
-    def _item(self, base_uri: str, row: Mapping[str, Any]) -> SourceItem:
+    def _item(self, base_uri: str, row: Mapping[str, Any]) -> Document:
         row_id = str(row[self.id_column])
         blob = row[self.blob_column] if self.blob_column else None
         content = row[self.text_column] if self.text_column else None
@@ -182,7 +183,7 @@ class SqlSource:
                 questions = coerce_questions(row[self.questions_column], f"row {row_id}")
             except SourceError as e:
                 error = str(e)
-        return SourceItem(
+        return Document(
             uri=f"{base_uri}#{row_id}",
             name=str(row[self.name_column]) if self.name_column else default_name,
             size=len(blob) if blob is not None else None,

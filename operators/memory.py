@@ -1,4 +1,5 @@
-"""The memory operator: plans in, one result row per chain out, on an actor pool of engines.
+"""The memory operator: planned documents in, one result row per chain out, on an actor pool
+of engines.
 
 Each actor owns one engine and drives every chain of every batch it holds concurrently, so the
 engine batches steps across documents.
@@ -18,7 +19,7 @@ import pyarrow as pa
 
 from connectors.state.store import StateStore
 from operators.run import RunContext
-from pipeline.core.segmentation import Segment
+from pipeline.core.document import Document, PlannedChain, documents_of
 from pipeline.engines.factory import open_engine
 from pipeline.resume import ChainWork, resume_chain
 from pipeline.runner import ChainRunner
@@ -51,12 +52,12 @@ RESULT_SCHEMA = pa.schema(
 
 
 class MemoryStage:
-    """Plans in, one result row per chain out. Each actor owns one engine; `__call__` is async,
-    so the batches an actor holds run side by side on one event loop and their chains' steps
-    meet in the engine's continuous batch. Every step is checkpointed before the chain moves
-    on; a chain resumes from its last checkpoint, and an answered one is skipped. The engine
-    is built when the first chain needs it, so a rerun whose chains are all answered costs no
-    engine start-up."""
+    """Planned documents in, one result row per chain out. Each actor owns one engine;
+    `__call__` is async, so the batches an actor holds run side by side on one event loop and
+    their chains' steps meet in the engine's continuous batch. Every step is checkpointed
+    before the chain moves on; a chain resumes from its last checkpoint, and an answered one
+    is skipped. The engine is built when the first chain needs it, so a rerun whose chains are
+    all answered costs no engine start-up."""
 
     def __init__(self, run: RunContext, max_active_chains: int, longest_first: bool = True) -> None:
         self.run = run
@@ -72,37 +73,25 @@ class MemoryStage:
         self._closed = threading.Event()
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
-        documents = batch.to_pylist()
-        results = await asyncio.gather(*(self._run_document(d) for d in documents))
+        results = await asyncio.gather(*(self._run_document(d) for d in documents_of(batch)))
         return pa.Table.from_pylist([r for rows in results for r in rows], schema=RESULT_SCHEMA)
 
-    async def _run_document(self, document: dict[str, Any]) -> list[dict[str, Any]]:
-        segments = None
-        if document["segments"] is not None:
-            segments = [Segment(document["doc_id"], **s) for s in document["segments"]]
+    async def _run_document(self, document: Document) -> list[dict[str, Any]]:
         return list(
-            await asyncio.gather(
-                *(self._run_chain(document, segments, planned) for planned in document["chains"])
-            )
+            await asyncio.gather(*(self._run_chain(document, chain) for chain in document.chains))
         )
 
-    async def _run_chain(
-        self,
-        document: dict[str, Any],
-        segments: list[Segment] | None,
-        planned: dict[str, Any],
-    ) -> dict[str, Any]:
-        work = ChainWork(
-            planned["chain_key"], planned["question"], segments, document["page_starts"] or None
-        )
+    async def _run_chain(self, document: Document, chain: PlannedChain) -> dict[str, Any]:
+        segments = None if document.segments is None else list(document.segments)
+        work = ChainWork(chain.chain_key, chain.question, segments, document.page_starts or None)
         outcome = await resume_chain(
             work, self._chain_runner, self.chain_config, self.store, self._in_store
         )
         result = outcome.result
         return {
-            "source_uri": document["source_uri"],
-            "doc_id": document["doc_id"],
-            "question_id": planned["question_id"],
+            "source_uri": document.uri,
+            "doc_id": document.doc_id,
+            "question_id": chain.question_id,
             "chain_key": work.chain_key,
             "status": outcome.status,
             "start_step": outcome.start_step,

@@ -1,130 +1,88 @@
-"""Read + parse: source items in, documents out. A document that cannot be read or parsed
-becomes an `errors` row in the state store and leaves the stream; it never raises."""
+"""Read + parse: documents with their bytes in, documents with their text out. A document that
+cannot be read or parsed becomes an `errors` row in the state store and leaves the stream; it
+never raises."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
 
 import pyarrow as pa
 
-# The items' schema and rows live with the sources that read them (connectors.reading).
-from connectors.base import ITEM_SCHEMA, Source, SourceError, SourceItem, item_row
+from connectors.base import Source, SourceError
 from connectors.state.store import ErrorRecord
 from operators.parsing import ParseError, parse_document
-from operators.run import RunContext, doc_id_of, open_store
+from operators.run import RunContext, open_store
+from pipeline.core.document import Document, documents_of, documents_table
 
 logger = logging.getLogger(__name__)
 
-DOCUMENT_SCHEMA = pa.schema(
-    [
-        ("source_uri", pa.string()),
-        ("doc_id", pa.string()),
-        ("name", pa.string()),
-        ("text", pa.string()),
-        ("content_sha256", pa.string()),
-        ("parser", pa.string()),
-        ("pages", pa.int32()),
-        ("page_starts", pa.list_(pa.int64())),  # PDFs: where each page starts in `text`
-        ("warnings", pa.list_(pa.string())),
-        ("metadata", pa.string()),
-        ("questions", pa.list_(pa.string())),
-    ]
-)
-
-
-__all__ = ["DOCUMENT_SCHEMA", "ITEM_SCHEMA", "ReadParseStage", "item_row"]
-
 
 class ReadParseStage:
-    """Items in, documents out: parses each item's bytes, as its read task fetched them
-    (reads them here for an item that comes without: from a source's items() in tests and
-    tools), or takes its inline text. An item whose listing or read failed (its `error`)
-    becomes an errors row. Runs as plain Ray tasks."""
+    """Documents with their bytes (or inline text) in, documents with their text out. Parses
+    each document's bytes, as its read task fetched them (reads them here for a document that
+    comes without: from a source's documents() in tests and tools), or takes its inline text.
+    A document whose listing or read failed (its `error`) becomes an errors row. Runs as plain
+    Ray tasks."""
 
     def __init__(self, sources: Sequence[Source], run: RunContext) -> None:
         self.sources = list(sources)
         self.run = run
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        documents = []
-        for row in batch.to_pylist():
-            document = self._document(row)
-            if document is not None:
-                documents.append(document)
-        return pa.Table.from_pylist(documents, schema=DOCUMENT_SCHEMA)
+        parsed = (self._parsed(document) for document in documents_of(batch))
+        return documents_table(document for document in parsed if document is not None)
 
-    def _document(self, row: dict[str, Any]) -> dict[str, Any] | None:
-        uri, name = row["uri"], row["name"]
+    def _parsed(self, document: Document) -> Document | None:
         stage = "read"
         try:
-            if row.get("error"):
-                raise SourceError(row["error"])
-            if row["text"] is not None:
+            if document.error:
+                raise SourceError(document.error)
+            if document.text is not None:
                 stage = "parse"
-                text, parser, pages, warnings, page_starts = row["text"], "inline", None, (), ()
-                if not text.strip():
+                if not document.text.strip():
                     raise ParseError("empty document")
+                parsed = replace(document, parser="inline")
             else:
-                data = row["data"]
+                data = document.data
                 if data is None:
-                    source = self.sources[row["source_index"]]
-                    data = source.read_bytes(_item_of(row))
+                    data = self.sources[document.source_index].read_bytes(document)
                 stage = "parse"
-                parsed = parse_document(data, name)
-                text, parser, pages, warnings, page_starts = (
-                    parsed.text,
-                    parsed.parser,
-                    parsed.pages,
-                    parsed.warnings,
-                    parsed.page_starts,
+                text = parse_document(data, document.name)
+                parsed = replace(
+                    document,
+                    data=None,
+                    text=text.text,
+                    parser=text.parser,
+                    pages=text.pages,
+                    warnings=text.warnings,
+                    page_starts=text.page_starts,
                 )
         except ParseError as error:
-            self._fail(row, stage, "ParseError", error.reason)
+            self._fail(document, stage, "ParseError", error.reason)
             return None
         except SourceError as error:
-            self._fail(row, stage, "SourceError", str(error))
+            self._fail(document, stage, "SourceError", str(error))
             return None
         except Exception as error:  # a bug or a library failure: one error row, not a crash
-            logger.exception("cannot %s %s", stage, uri)
-            self._fail(row, stage, type(error).__name__, str(error) or type(error).__name__)
+            logger.exception("cannot %s %s", stage, document.uri)
+            self._fail(document, stage, type(error).__name__, str(error) or type(error).__name__)
             return None
-        return {
-            "source_uri": uri,
-            "doc_id": doc_id_of(uri),
-            "name": name,
-            "text": text,
-            "content_sha256": hashlib.sha256(text.encode()).hexdigest(),
-            "parser": parser,
-            "pages": pages,
-            "page_starts": list(page_starts),
-            "warnings": list(warnings),
-            "metadata": row["metadata"],
-            "questions": row["questions"] or [],
-        }
+        text_bytes = (parsed.text or "").encode()
+        return replace(parsed, content_sha256=hashlib.sha256(text_bytes).hexdigest())
 
-    def _fail(self, row: dict[str, Any], stage: str, error_type: str, message: str) -> None:
+    def _fail(self, document: Document, stage: str, error_type: str, message: str) -> None:
         open_store(self.run.store_url).record_error(
             ErrorRecord(
                 run_id=self.run.run_id,
                 attempt=self.run.attempt,
-                source_uri=row["uri"],
+                source_uri=document.uri,
                 stage=stage,
                 error_type=error_type,
                 message=message,
-                doc_id=doc_id_of(row["uri"]),
-                name=row["name"],
+                doc_id=document.doc_id,
+                name=document.name,
             )
         )
-
-
-def _item_of(row: dict[str, Any]) -> SourceItem:
-    return SourceItem(
-        uri=row["uri"],
-        name=row["name"],
-        size=row["size"],
-        metadata=json.loads(row["metadata"] or "{}"),
-    )

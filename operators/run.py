@@ -52,10 +52,6 @@ class RunContext:
         return asked
 
 
-def doc_id_of(uri: str) -> str:
-    return hashlib.sha256(uri.encode()).hexdigest()[:16]
-
-
 @functools.cache
 def open_store(url: str) -> StateStore:
     """One store (and connection pool) per worker process."""

@@ -512,8 +512,8 @@ def run_job(
 
 
 def read_sources(sources: Sequence[Source], read_tasks: int) -> Any:
-    """The sources' items as a Ray Dataset (ITEM_SCHEMA rows), read by Ray tasks; its blocks
-    hold about BLOCK_BYTES of documents each, so long documents flow on one by one."""
+    """The sources' documents as a Ray Dataset (DOCUMENT_SCHEMA rows), read by Ray tasks; its
+    blocks hold about BLOCK_BYTES of documents each, so long documents flow on one by one."""
     import ray
 
     # Blocks done per operator say little here; progress comes from the state store instead.

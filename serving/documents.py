@@ -18,7 +18,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from operators.parsing import ParsedDocument, ParseError, parse_document
+from operators.parsing import ParsedText, ParseError, parse_document
 from serving.config import LimitsConfig
 from serving.schemas import AnswerRequest
 from serving.uris import DocumentFetcher, FetchError, UriPolicy, UriRefused, redact_uri
@@ -56,7 +56,7 @@ class DocumentRequest:
 @dataclass(frozen=True)
 class LoadedDocument:
     name: str
-    parsed: ParsedDocument
+    parsed: ParsedText
     size: int  # bytes read
 
 

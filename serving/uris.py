@@ -248,8 +248,9 @@ class DocumentFetcher:
     def _fetch_s3(self, allowed: AllowedUri) -> FetchedDocument:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        from connectors.base import SourceError, SourceItem
+        from connectors.base import SourceError
         from connectors.s3 import S3Source
+        from pipeline.core.document import Document
 
         object_uri = f"s3://{allowed.host}{allowed.path}"
         source = S3Source(object_uri, endpoint_url=self.config.s3_endpoint_url, max_attempts=3)
@@ -260,7 +261,7 @@ class DocumentFetcher:
         if int(head.get("ContentLength") or 0) > self.max_bytes:
             raise self._too_large(allowed)
         try:
-            data = source.read_bytes(SourceItem(uri=object_uri, name=allowed.name))
+            data = source.read_bytes(Document(uri=object_uri, name=allowed.name))
         except SourceError as error:
             status = 502 if str(error).startswith("cannot reach") else 422
             raise FetchError(status, str(error)) from None

@@ -30,8 +30,8 @@ from connectors import (
     open_output,
     open_source,
 )
-from connectors.base import ITEM_SCHEMA
 from connectors.reading import SourceDatasource, blocks_of, read_shard
+from pipeline.core.document import DOCUMENT_SCHEMA
 from tests.processes import free_port
 from tests.services import S3Server, require_credential_checks
 
@@ -74,7 +74,7 @@ def local_tree(tmp_path: Path) -> Path:
 def test_local_folder_is_recursive_sorted_and_skips_hidden_and_sidecars(local_tree: Path) -> None:
     source = LocalSource([str(local_tree)])
     source.check()
-    items = list(source.items())
+    items = list(source.documents())
     assert [item.name for item in items] == ["a.txt", "b.txt", "c.md", "d.pdf"]
     assert items[0].questions == ("Who?", "What?")
     assert items[2].questions == ("Where?",)
@@ -86,7 +86,7 @@ def test_local_folder_is_recursive_sorted_and_skips_hidden_and_sidecars(local_tr
 
 def test_local_globs_files_and_duplicates(local_tree: Path) -> None:
     paths = [str(local_tree / "**" / "*.md"), str(local_tree / "b.txt"), str(local_tree / "sub")]
-    items = list(LocalSource(paths).items())
+    items = list(LocalSource(paths).documents())
     assert [item.name for item in items] == ["c.md", "b.txt", "d.pdf"]
     assert items[0].questions == ("Where?",)
 
@@ -104,7 +104,7 @@ def test_local_missing_paths_fail_early(tmp_path: Path) -> None:
 def test_local_real_corpus_reads_back_every_byte() -> None:
     source = LocalSource([str(TEXTS), str(REPORTS / "*.pdf")])
     source.check()
-    items = list(source.items())
+    items = list(source.documents())
     expected = sorted(TEXTS.iterdir()) + sorted(REPORTS.glob("*.pdf"))
     assert [item.name for item in items] == [path.name for path in expected]
     for item, path in zip(items, expected, strict=True):
@@ -138,7 +138,7 @@ def test_s3_lists_and_reads_real_files(s3_server: S3Server, bucket: str) -> None
 
     source = S3Source(f"s3://{bucket}/corpus/", endpoint_url=s3_server.endpoint_url)
     source.check()
-    items = list(source.items())
+    items = list(source.documents())
 
     by_name = {path.name: path for path in files}
     assert [item.name for item in items] == sorted(by_name)
@@ -152,7 +152,7 @@ def test_s3_lists_and_reads_real_files(s3_server: S3Server, bucket: str) -> None
     assert questions[files[0].name] == ()
 
     shipped = pickle.loads(pickle.dumps(source))  # as to a Ray worker: the client is made anew
-    assert [item.name for item in shipped.items()] == sorted(by_name)
+    assert [item.name for item in shipped.documents()] == sorted(by_name)
 
 
 @pytest.mark.server
@@ -164,7 +164,7 @@ def test_s3_sidecars_across_pages(s3_server: S3Server, bucket: str) -> None:
             sidecar = json.dumps({"questions": [f"Q{number}?"]}).encode()
             client.put_object(Bucket=bucket, Key=f"in/doc{number}.txt.questions.json", Body=sidecar)
     source = S3Source(f"s3://{bucket}/in/", endpoint_url=s3_server.endpoint_url, page_size=2)
-    items = list(source.items())
+    items = list(source.documents())
     assert [item.name for item in items] == [f"doc{number}.txt" for number in range(7)]
     assert [item.questions for item in items] == [
         (f"Q{number}?",) if number % 2 == 0 else () for number in range(7)
@@ -232,7 +232,7 @@ def test_s3_object_reads_fail_in_one_line_without_the_secret(
     require_credential_checks(s3_server)
     s3_server.client().put_object(Bucket=bucket, Key="a.txt", Body=b"a")
     source = S3Source(f"s3://{bucket}/", endpoint_url=s3_server.endpoint_url, max_attempts=1)
-    (item,) = source.items()
+    (item,) = source.documents()
     with pytest.raises(SourceError, match="does not exist"):
         source.read_bytes(replace(item, uri=f"s3://{bucket}/missing.txt"))
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
@@ -301,7 +301,7 @@ def test_sql_streams_rows_with_text_blob_metadata_and_questions(database: str) -
         batch_size=2,
     )
     source.check()
-    items = list(source.items())
+    items = list(source.documents())
     rows = make_rows()
     assert [item.name for item in items] == [row["title"] for row in rows]
     assert [item.text for item in items] == [row["body"] for row in rows]
@@ -319,11 +319,11 @@ def test_sql_streams_rows_with_text_blob_metadata_and_questions(database: str) -
     expected_uris = [f"{without_user.render_as_string()}#{row['id']}" for row in rows]
     assert [item.uri for item in items] == expected_uris
     shipped = pickle.loads(pickle.dumps(source))
-    assert [item.text for item in shipped.items()] == [row["body"] for row in rows]
+    assert [item.text for item in shipped.documents()] == [row["body"] for row in rows]
 
 
 def test_sql_default_names_from_ids(database: str) -> None:
-    items = list(SqlSource(database, "SELECT id, body AS text FROM docs WHERE id > 2").items())
+    items = list(SqlSource(database, "SELECT id, body AS text FROM docs WHERE id > 2").documents())
     assert [item.name for item in items] == ["3.txt", "4.txt", "5.txt"]
 
 
@@ -345,7 +345,7 @@ def test_sql_password_never_shows_in_repr_or_errors() -> None:
     source = SqlSource(f"postgresql://reader:{password}@127.0.0.1:{port}/docs", "SELECT 1")
     shown = f"postgresql+psycopg://reader:***@127.0.0.1:{port}/docs"
     assert repr(source) == f"SqlSource({shown!r}, 'SELECT 1')"
-    for attempt in (source.check, lambda: list(source.items())):
+    for attempt in (source.check, lambda: list(source.documents())):
         with pytest.raises(SourceError, match="Connection refused") as raised:
             attempt()
         assert str(raised.value).startswith(f"SQL source {shown}: ")
@@ -356,8 +356,8 @@ def test_sql_shards_split_the_rows_once_in_the_database(database: str) -> None:
     source = SqlSource(database, "SELECT id, body, questions FROM docs", text_column="body")
     shards = source.shards(3)
     assert shards == [(0, 3), (1, 3), (2, 3)]
-    sharded = [[item.uri for item in source.shard_items(shard)] for shard in shards]
-    every = [item.uri for item in source.items()]
+    sharded = [[item.uri for item in source.shard_documents(shard)] for shard in shards]
+    every = [item.uri for item in source.documents()]
     assert sorted(uri for shard in sharded for uri in shard) == sorted(every)
     assert len(every) == len(make_rows()) and sum(1 for shard in sharded if shard) >= 2
     assert pickle.loads(pickle.dumps(source)).shards(3) == shards  # the same on a worker
@@ -370,7 +370,7 @@ def test_sql_shards_split_the_rows_once_in_the_database(database: str) -> None:
 
 def test_sql_bad_questions_value_is_an_item_error(database: str) -> None:
     query = "SELECT id, body, CASE WHEN id = 3 THEN '[1, 2]' ELSE questions END AS q FROM docs"
-    items = list(SqlSource(database, query, text_column="body", questions_column="q").items())
+    items = list(SqlSource(database, query, text_column="body", questions_column="q").documents())
     assert [item.error for item in items] == [
         None, None, "row 3: questions must be text or a list of strings", None, None
     ]  # fmt: skip
@@ -396,7 +396,8 @@ def test_postgres_streams_through_a_server_side_cursor(postgres_url: str) -> Non
                 "FROM generate_series(1, 5000) AS g"
             )
         )
-    items = SqlSource(postgres_url, "SELECT id, text FROM many ORDER BY id", batch_size=100).items()
+    query = "SELECT id, text FROM many ORDER BY id"
+    items = SqlSource(postgres_url, query, batch_size=100).documents()
     first = next(items)
     with engine.connect() as connection:
         seen = (
@@ -441,7 +442,7 @@ def dataset_source(path: Path, **overrides: Any) -> DatasetSource:
 
 def check_rows(source: DatasetSource, path: Path) -> None:
     source.check()
-    items = list(source.items())
+    items = list(source.documents())
     assert [item.text for item in items] == [row["body"] for row in ROWS]
     assert [item.name for item in items] == [row["title"] for row in ROWS]
     assert [item.questions for item in items] == [tuple(row["qs"]) for row in ROWS]
@@ -464,7 +465,7 @@ def test_jsonl_rows(tmp_path: Path) -> None:
 def test_dataset_folder_of_parquet_files(tmp_path: Path) -> None:
     for number, row in enumerate(ROWS):
         pq.write_table(pa.Table.from_pylist([row]), tmp_path / f"part-{number}.parquet")
-    items = list(dataset_source(tmp_path).items())
+    items = list(dataset_source(tmp_path).documents())
     assert [item.text for item in items] == [row["body"] for row in ROWS]
 
 
@@ -472,7 +473,7 @@ def test_dataset_errors(tmp_path: Path) -> None:
     path = tmp_path / "docs.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n{not json\n")
     with pytest.raises(SourceError, match=r"docs\.jsonl:2: not valid JSON"):
-        list(dataset_source(path).items())
+        list(dataset_source(path).documents())
     with pytest.raises(SourceError, match="no column missing"):
         dataset_source(path, text_column="missing").check()
     with pytest.raises(SourceError, match="no dataset files"):
@@ -492,15 +493,15 @@ def test_dataset_shards_are_row_groups_and_files(tmp_path: Path) -> None:
     assert shards == [(str(tmp_path / "docs.parquet"), g) for g in range(3)] + [
         (str(tmp_path / "more.jsonl"), None)
     ]
-    sharded = [item for shard in shards for item in source.shard_items(shard)]
-    assert [item.uri for item in sharded] == [item.uri for item in source.items()]
+    sharded = [item for shard in shards for item in source.shard_documents(shard)]
+    assert [item.uri for item in sharded] == [item.uri for item in source.documents()]
     assert [item.text for item in sharded] == [row["body"] for row in ROWS] + ["first text"]
     assert len(list(source.sizes())) == 4  # a row group's text bytes each, and the file's
 
 
 def test_local_bad_sidecar_is_an_item_error(local_tree: Path) -> None:
     write(local_tree / "b.txt.questions.json", "{not json")
-    items = {item.name: item for item in LocalSource([str(local_tree)]).items()}
+    items = {item.name: item for item in LocalSource([str(local_tree)]).documents()}
     assert items["b.txt"].questions == () and "not valid JSON" in (items["b.txt"].error or "")
     assert items["a.txt"].error is None and items["a.txt"].questions == ("Who?", "What?")
 
@@ -514,7 +515,7 @@ def test_read_shards_carry_the_content_in_blocks_of_about_block_bytes(local_tree
     big = [{**rows[0], "text": "x" * 40_000, "data": None} for _ in range(10)]
     blocks = list(blocks_of(big, block_bytes=100_000))
     assert [block.num_rows for block in blocks] == [3, 3, 3, 1]
-    assert all(block.schema.equals(ITEM_SCHEMA) for block in blocks)
+    assert all(block.schema.equals(DOCUMENT_SCHEMA) for block in blocks)
     datasource = SourceDatasource([source, source], parallelism=4)
     assert datasource.shards == [(0, tuple(source.paths)), (1, tuple(source.paths))]
     assert len(datasource.get_read_tasks(200)) == 2
@@ -526,12 +527,12 @@ def test_read_shards_carry_the_content_in_blocks_of_about_block_bytes(local_tree
 def test_open_source_specs(tmp_path: Path, sqlite_url: str) -> None:
     write(tmp_path / "a.txt", "a")
     local = open_source(str(tmp_path))
-    assert isinstance(local, LocalSource) and [i.name for i in local.items()] == ["a.txt"]
+    assert isinstance(local, LocalSource) and [i.name for i in local.documents()] == ["a.txt"]
     assert isinstance(open_source({"type": "local", "path": str(tmp_path)}), LocalSource)
     s3 = open_source({"type": "s3", "uri": "s3://bucket/prefix", "endpoint_url": "http://x:1"})
     assert isinstance(s3, S3Source) and s3.endpoint_url == "http://x:1"
     sql = open_source({"type": "sql", "url": sqlite_url, "query": "SELECT 1 AS id, 'x' AS text"})
-    assert isinstance(sql, SqlSource) and [item.text for item in sql.items()] == ["x"]
+    assert isinstance(sql, SqlSource) and [item.text for item in sql.documents()] == ["x"]
     dataset = open_source({"type": "dataset", "path": str(tmp_path / "d.jsonl"), "format": "jsonl"})
     assert isinstance(dataset, DatasetSource)
     with pytest.raises(SourceError, match="unknown source type"):

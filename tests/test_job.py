@@ -36,7 +36,6 @@ import yaml
 from connectors.results import ResultWriter, RunIdentity
 from connectors.state.store import (
     DocumentRecord,
-    PlannedChain,
     RunProgress,
     StateStore,
     StepCheckpoint,
@@ -47,6 +46,7 @@ from pipeline.cli.flags import method_config
 from pipeline.cli.main import build_parser, main
 from pipeline.cli.run import spec_from_arguments
 from pipeline.core.chain import StepRecord
+from pipeline.core.document import PlannedChain
 from pipeline.job import JobError, JobSpec, derive_run_id, load_job_spec, plan_job, run_job
 from serving.config import config_from_mapping, load_config
 from tests.conftest import TEST_MODEL, assert_clean_terminal
@@ -351,15 +351,15 @@ def test_sources_are_one_ray_read_and_every_input_ends_read_or_in_errors(
         if started:
             ray.shutdown()
     inputs = {(folder / name).as_uri() for name in ("a.txt", "empty.txt", "b.md")}
-    inputs |= {f"{next(iter(sources[1].items())).uri[:-2]}#{n}" for n in (1, 2, 3)}
+    inputs |= {f"{next(iter(sources[1].documents())).uri[:-2]}#{n}" for n in (1, 2, 3)}
     inputs |= {f"{(tmp_path / 'd.parquet').as_uri()}#{n}" for n in (7, 8)}
-    read = {document["source_uri"]: document["text"] for document in documents}
+    read = {document["uri"]: document["text"] for document in documents}
     failed = {row["source_uri"]: row["message"] for row in store.errors("run-read", attempt)}
     assert set(read) | set(failed) == inputs and not set(read) & set(failed)
     assert read[(folder / "b.md").as_uri()] == "# second document"
     assert "not valid JSON" in failed[(folder / "a.txt").as_uri()]
     assert failed[(folder / "empty.txt").as_uri()] == "empty document"
-    assert "questions must be text" in failed[f"{next(iter(sources[1].items())).uri[:-2]}#2"]
+    assert "questions must be text" in failed[f"{next(iter(sources[1].documents())).uri[:-2]}#2"]
     assert len(read) == 4 and len(failed) == 4
     store.close()
 

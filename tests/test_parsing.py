@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.parsing import ParsedDocument, ParseError, parse_document
+from operators.parsing import ParsedText, ParseError, parse_document
 from operators.parsing.base import DOCX_MIME
 from pipeline.core.evidence import page_of
 
@@ -28,7 +28,7 @@ needs_corpora = pytest.mark.skipif(
 PDFS = CORPORA / "pdfs"
 
 
-def parse_corpus_file(relative_path: str) -> ParsedDocument:
+def parse_corpus_file(relative_path: str) -> ParsedText:
     path = CORPORA / relative_path
     return parse_document(path.read_bytes(), path.name)
 

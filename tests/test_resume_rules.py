@@ -18,17 +18,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 
 from connectors.state.records import NewJob
 from connectors.state.store import Checkpoint, StateStore, groundings, job_chain_key, steps
 from operators.memory import MemoryStage
-from operators.read import ITEM_SCHEMA, ReadParseStage
+from operators.read import ReadParseStage
 from operators.run import Question, RunContext
 from operators.segment import SegmentStage
 from pipeline.config import MethodConfig
+from pipeline.core.document import Document, documents_table
 from pipeline.core.templates import INITIAL_MEMORY
 from pipeline.engines.base import GenerationRequest
 from pipeline.engines.factory import EngineSpec
@@ -101,17 +101,8 @@ def assert_one_row_per_step(
 # --- the corpus job: read, segment and memory stages, as Ray Data calls them -----------------
 
 
-# The record as a source lists it: an item that carries its text, as SQL and dataset rows do.
-RECORD_ITEM = {
-    "source_index": 0,
-    "uri": "file:///records/facts.txt",
-    "name": "facts.txt",
-    "size": None,
-    "metadata": "{}",
-    "text": RECORD,
-    "data": None,
-    "questions": [],
-}
+# The record as a source lists it: a document that carries its text, as SQL and dataset rows do.
+RECORD_DOCUMENT = Document(uri="file:///records/facts.txt", name="facts.txt", text=RECORD)
 
 
 @dataclass
@@ -136,8 +127,7 @@ class CorpusRun:
     ) -> list[dict[str, Any]]:
         """The memory stage's result rows; raises what the engine raised if it crashed."""
         context = self._context(self.store.begin_run(RUN_ID, {"test": "resume"}))
-        items = pa.Table.from_pylist([RECORD_ITEM], schema=ITEM_SCHEMA)
-        documents = ReadParseStage([], context)(items)
+        documents = ReadParseStage([], context)(documents_table([RECORD_DOCUMENT]))
         plans = SegmentStage(context)(documents)
         self._engine = engine
         memory = MemoryStage(context, max_active_chains, longest_first)

@@ -29,13 +29,6 @@ class DocumentRecord:
 
 
 @dataclass(frozen=True)
-class PlannedChain:
-    chain_key: str
-    question_id: str
-    question: str
-
-
-@dataclass(frozen=True)
 class Checkpoint:
     """Where a chain stands: its status, the next step to run and the memory after the last."""
 

@@ -55,7 +55,6 @@ from connectors.state.records import (
     JobInput,
     JobState,
     NewJob,
-    PlannedChain,
     RunProgress,
     StepCheckpoint,
 )
@@ -79,6 +78,7 @@ from connectors.state.schema import (
     runs,
     steps,
 )
+from pipeline.core.document import PlannedChain
 from pipeline.core.evidence import Grounding
 
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """Turn the raw bytes of one untrusted input document into plain text.
 
-`parse_document` is the only entry point. It either returns a `ParsedDocument` or raises
+`parse_document` is the only entry point. It either returns a `ParsedText` or raises
 `ParseError` with a short reason meant for people (an error row, a CLI message); any other
 exception would be a bug in this module, so unexpected library failures are turned into a
 `ParseError` as well.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from operators.parsing.base import ParsedDocument, ParseError, describe_error
+from operators.parsing.base import ParsedText, ParseError, describe_error
 from operators.parsing.docx_text import parse_docx
 from operators.parsing.formats import (
     decompress,
@@ -28,11 +28,11 @@ from operators.parsing.html_text import parse_html
 from operators.parsing.pdf_text import parse_pdf
 from operators.parsing.plain_text import parse_plain_text
 
-__all__ = ["ParseError", "ParsedDocument", "parse_document"]
+__all__ = ["ParseError", "ParsedText", "parse_document"]
 _logger = logging.getLogger(__name__)
 
 
-def parse_document(data: bytes, name: str, mime_type: str | None = None) -> ParsedDocument:
+def parse_document(data: bytes, name: str, mime_type: str | None = None) -> ParsedText:
     """Extract the text of one document.
 
     `name` is the file name or URI; its extension picks the format (`.gz`, `.bz2` and `.xz` are
@@ -50,7 +50,7 @@ def parse_document(data: bytes, name: str, mime_type: str | None = None) -> Pars
         raise ParseError(f"could not parse: {type(exc).__name__}: {describe_error(exc)}") from exc
 
 
-def _parse(data: bytes, file_name: str, mime_type: str | None) -> ParsedDocument:
+def _parse(data: bytes, file_name: str, mime_type: str | None) -> ParsedText:
     warnings: list[str] = []
     data, file_name = decompress(data, file_name, warnings)
     if not data.strip():

@@ -16,7 +16,9 @@ TEXT_MIME = "text/plain"
 
 
 @dataclass(frozen=True)
-class ParsedDocument:
+class ParsedText:
+    """What a parser found in a document's bytes; the read stage copies it onto the Document."""
+
     text: str
     # "text", "markdown", "log", "html", "docx", "pdf:pdfminer"
     parser: str

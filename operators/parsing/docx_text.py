@@ -11,7 +11,7 @@ from xml.etree import ElementTree
 from operators.parsing.base import (
     DOCX_MIME,
     MAX_EXPANDED_BYTES,
-    ParsedDocument,
+    ParsedText,
     ParseError,
     checked_text,
     normalize_newlines,
@@ -24,7 +24,7 @@ _EXTENDED_PROPERTIES_NS = (
 )
 
 
-def parse_docx(data: bytes) -> ParsedDocument:
+def parse_docx(data: bytes) -> ParsedText:
     try:
         import docx
     except ImportError as exc:
@@ -41,7 +41,7 @@ def parse_docx(data: bytes) -> ParsedDocument:
     except (zipfile.BadZipFile, KeyError, ValueError, LxmlError, OSError) as exc:
         raise ParseError(f"damaged DOCX: {exc}") from exc
     text = normalize_newlines("\n\n".join(blocks))
-    return ParsedDocument(checked_text(text), "docx", DOCX_MIME, pages)
+    return ParsedText(checked_text(text), "docx", DOCX_MIME, pages)
 
 
 def _docx_recorded_page_count(archive: zipfile.ZipFile) -> int | None:

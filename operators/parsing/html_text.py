@@ -8,7 +8,7 @@ from typing import Any
 from operators.parsing.base import (
     EXTRA_BLANK_LINES,
     HTML_MIME,
-    ParsedDocument,
+    ParsedText,
     checked_text,
 )
 from operators.parsing.plain_text import decode_text
@@ -29,7 +29,7 @@ _HTML_PREFORMATTED_TAGS = ("pre", "textarea")
 _WHITESPACE_RUN = re.compile(r"\s+")
 
 
-def parse_html(data: bytes, declared_charset: str | None) -> ParsedDocument:
+def parse_html(data: bytes, declared_charset: str | None) -> ParsedText:
     from bs4 import BeautifulSoup
 
     meta_charset = _META_CHARSET.search(data[:4096])
@@ -40,7 +40,7 @@ def parse_html(data: bytes, declared_charset: str | None) -> ParsedDocument:
     rendered = _render_html_text(BeautifulSoup(markup, "lxml"))
     lines = (line.strip() for line in rendered.split("\n"))
     text = EXTRA_BLANK_LINES.sub("\n\n", "\n".join(lines)).strip()
-    return ParsedDocument(checked_text(text), "html", HTML_MIME, None, tuple(warnings))
+    return ParsedText(checked_text(text), "html", HTML_MIME, None, tuple(warnings))
 
 
 def _render_html_text(root: Any) -> str:

@@ -20,7 +20,7 @@ from operators.parsing.base import (
     EXTRA_BLANK_LINES,
     PDF_MIME,
     TRAILING_SPACES,
-    ParsedDocument,
+    ParsedText,
     ParseError,
     describe_error,
     normalize_newlines,
@@ -82,7 +82,7 @@ class _PdfExtraction:
     failure: Exception | None = None  # extraction stopped early
 
 
-def parse_pdf(data: bytes) -> ParsedDocument:
+def parse_pdf(data: bytes) -> ParsedText:
     with _pdf_warning_collector().collecting() as logged:
         reader, page_count = _open_pdf(data)
         extraction = _extract_pdf_text_with_pdfminer(data)
@@ -117,7 +117,7 @@ def parse_pdf(data: bytes) -> ParsedDocument:
     unmapped_glyphs = text.count("(cid:")
     if unmapped_glyphs:
         warnings.append(f"{unmapped_glyphs} glyphs have no Unicode mapping and appear as (cid:N)")
-    return ParsedDocument(
+    return ParsedText(
         text, extraction.parser, PDF_MIME, page_count, tuple(warnings), tuple(page_starts)
     )
 

@@ -8,7 +8,7 @@ import re
 from operators.parsing.base import (
     MARKDOWN_MIME,
     TEXT_MIME,
-    ParsedDocument,
+    ParsedText,
     ParseError,
     checked_text,
     normalize_newlines,
@@ -43,10 +43,10 @@ def _decode_stray_bytes_as_cp1252(error: UnicodeError) -> tuple[str, int]:
 codecs.register_error(_STRAY_BYTES_HANDLER, _decode_stray_bytes_as_cp1252)
 
 
-def parse_plain_text(data: bytes, text_format: str, declared_charset: str | None) -> ParsedDocument:
+def parse_plain_text(data: bytes, text_format: str, declared_charset: str | None) -> ParsedText:
     text, warnings = decode_text(data, declared_charset)
     mime_type = MARKDOWN_MIME if text_format == "markdown" else TEXT_MIME
-    return ParsedDocument(
+    return ParsedText(
         checked_text(normalize_newlines(text)), text_format, mime_type, None, tuple(warnings)
     )
 
