@@ -92,6 +92,7 @@ async def resume_chain(
             memory=checkpoint.memory if checkpoint and start_step > 0 else None,
             start_step=start_step,
         )
+        chain_runner = await runner()  # may start the engine: the chain waits, not running
         if not await call(checkpoints.mark_running, work.chain_key):
             return ChainOutcome("stopped", start_step)
 
@@ -107,7 +108,7 @@ async def resume_chain(
             if chain.done:  # in the chain's runner slot, so an answer and its evidence go together
                 await _ground(work, chain.answer, chain.memory, checkpoints, call)
 
-        result = await (await runner()).run_chain(chain, checkpoint_step)
+        result = await chain_runner.run_chain(chain, checkpoint_step)
     except Exception as error:  # e.g. the store is unreachable: recorded, resumable later
         logger.exception("chain %s failed", work.chain_key)
         message = f"{type(error).__name__}: {error}"

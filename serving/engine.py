@@ -32,7 +32,15 @@ class EngineServer:
             await check()
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        return await self._engine.generate(request)
+        try:
+            return await self._engine.generate(request)
+        except EngineError:
+            raise
+        except Exception:
+            # The engine may have died under the call (vLLM's EngineDeadError): say so in the
+            # interface's words, so the client knows a restarted replica can serve it.
+            await self._engine.check_health()
+            raise
 
     async def check_health(self) -> None:
         """Called by Serve every `health_check_period_s`, and by `/healthz` through the handle.
@@ -53,7 +61,7 @@ class ServeEngineClient:
         self.model = model
 
     async def generate(self, request: GenerationRequest) -> Completion:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
         from ray.serve.exceptions import RayServeException
 
         response = self._handle.generate.remote(request)
@@ -62,6 +70,10 @@ class ServeEngineClient:
         except asyncio.CancelledError:
             # The caller gave up (a cancelled job, a closed connection): free the engine too.
             response.cancel()
+            raise
+        except RayTaskError as error:
+            if isinstance(error.cause, EngineUnhealthy):  # died under the call: Serve replaces it
+                raise EngineUnavailable(f"the engine died during the call: {error.cause}") from None
             raise
         except (RayActorError, RayServeException) as error:
             raise unavailable(error) from error

@@ -188,7 +188,22 @@ def test_openai_adapter_reports_an_unreachable_server() -> None:
         asyncio.run(engine.check_health())
 
 
-class ModelListServer(http.server.BaseHTTPRequestHandler):
+class JsonHandler(http.server.BaseHTTPRequestHandler):
+    """A real HTTP peer for the OpenAI adapter's tests: replies with JSON, logs nothing."""
+
+    def reply(self, status: int, body: bytes) -> None:
+        with contextlib.suppress(OSError):  # the client may have given up waiting
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class ModelListServer(JsonHandler):
     """Answers every GET as /v1/models does, with the one model "m", after `delay_s` seconds."""
 
     delay_s = 0.0
@@ -197,16 +212,9 @@ class ModelListServer(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         type(self).requests += 1
         time.sleep(self.delay_s)
-        body = b'{"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "x"}]}'
-        with contextlib.suppress(OSError):  # the client may have given up waiting
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.reply(
+            200, b'{"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "x"}]}'
+        )
 
 
 def test_openai_adapter_health_is_one_short_request_for_the_served_models() -> None:
@@ -230,7 +238,7 @@ def test_openai_adapter_health_is_one_short_request_for_the_served_models() -> N
     assert waited < 3 and ModelListServer.requests == 1
 
 
-class FlakyChatServer(http.server.BaseHTTPRequestHandler):
+class FlakyChatServer(JsonHandler):
     """Answers 429, then 503, then a valid chat completion: a real HTTP peer that misbehaves."""
 
     attempts = 0
@@ -248,14 +256,7 @@ class FlakyChatServer(http.server.BaseHTTPRequestHandler):
                 b'"content": "ok"}}], "usage": {"prompt_tokens": 5, "completion_tokens": 1, '
                 b'"total_tokens": 6}}'
             )
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.reply(status, body)
 
 
 def test_openai_adapter_retries_429_and_5xx_with_backoff() -> None:
