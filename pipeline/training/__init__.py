@@ -1,2 +1,3 @@
 """Reinforcement learning of the memory policy (Multi-Conv DAPO): the algorithm as pure torch
-functions, its presets, and synthetic tasks with verifiable answers."""
+functions, its presets, synthetic tasks with verifiable answers, and the learner that trains a
+causal LM on a rollout batch's conversations."""
