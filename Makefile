@@ -11,10 +11,13 @@ DEMO_SCALE ?= 0.3
 # document of the scaling run). BENCH_ARGS=--quick runs small sizes; --with-serving adds the slow
 # serving benchmark. Results: bench/results/SUMMARY.md.
 BENCH_ARGS ?=
+# `make train`: the CPU demonstration of Multi-Conv DAPO (bench/train_demo.py); resumes a run
+# that was stopped. TRAIN_ARGS go to the script (e.g. --steps 10).
+TRAIN_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup models demo test test-fast bench lint
+.PHONY: setup models demo test test-fast bench lint train
 
 setup:
 	@bash infra/setup.sh
@@ -35,6 +38,9 @@ test-fast: setup
 
 bench: setup models
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+train: setup models
+	$(BIN)/python bench/train_demo.py --resume $(TRAIN_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

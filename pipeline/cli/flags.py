@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+from pydantic import BaseModel, ValidationError
 
 from pipeline.config import MethodConfig, default_template
 from pipeline.engines.factory import DEFAULT_MODEL, EngineSpec
@@ -11,6 +16,8 @@ from pipeline.engines.hardware import DTYPE_HELP, DTYPES
 EXIT_PARTIAL_FAILURE = 1  # some inputs or questions failed; the rest has results
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class UserError(Exception):
@@ -109,3 +116,48 @@ def method_config(args: argparse.Namespace) -> MethodConfig:
         top_p=args.top_p,
         seed=args.seed,
     )
+
+
+def add_model_flags(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """One flag per field of a pydantic model, named after it (`max_memory_tokens` ->
+    `--max-memory-tokens`), with its description as help and its default; booleans get
+    `--x/--no-x`, literals their choices. The model validates the values (`model_from_flags`),
+    so the flags, the YAML and the Python API cannot drift apart."""
+    for name, field in model.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = _flag_type(field.annotation)
+        options: dict[str, Any] = {"dest": name, "help": field.description}
+        if field.is_required():
+            options["required"] = True
+        else:
+            options["default"] = argparse.SUPPRESS  # the model's default applies
+            options["help"] = f"{field.description} (default: {field.get_default()})"
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        elif get_origin(kind) is Literal:
+            options["choices"] = get_args(kind)
+        else:
+            options["type"] = str if kind in (Path, None) else kind
+        parser.add_argument(flag, **options)
+
+
+def model_from_flags(model: type[ModelT], args: argparse.Namespace) -> ModelT:
+    """The model from the flags given; a value it refuses is a UserError naming the flag."""
+    values = {name: getattr(args, name) for name in model.model_fields if hasattr(args, name)}
+    try:
+        return model.model_validate(values)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"--{str(problem['loc'][0]).replace('_', '-')}: {problem['msg']}"
+            for problem in error.errors()
+        )
+        raise UserError(problems) from None
+
+
+def _flag_type(annotation: Any) -> Any:
+    """The annotation with `None` taken out of an optional (`Path | None` -> Path)."""
+    if get_origin(annotation) in (Union, UnionType):
+        members = [member for member in get_args(annotation) if member is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return annotation

@@ -13,12 +13,12 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from pipeline.cli import ask, demo, env, evaluate, models, report, run, terminal
+from pipeline.cli import ask, demo, env, evaluate, models, report, run, terminal, train
 from pipeline.cli.flags import EXIT_INTERRUPTED, EXIT_USAGE, UserError
 from pipeline.engines.base import EngineError
 from pipeline.engines.models import ModelError
 
-COMMANDS = (ask, demo, report, run, evaluate, env, models)
+COMMANDS = (ask, demo, report, run, evaluate, env, models, train)
 PLUGIN_GROUP = "memstream.commands"
 
 

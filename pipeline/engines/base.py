@@ -36,6 +36,12 @@ class GenerationRequest:
     # Lower runs first where the engine has a queue (vLLM's priority scheduling); ties in order
     # of arrival. Engines without priorities ignore it.
     priority: int = 0
+    # The whole prompt as token ids, chat template included, used instead of `prompt` (which
+    # then only names it in logs): training splices a memory's sampled ids into the next
+    # prompt rather than re-encoding its text. Only token-level engines (vLLM) take it.
+    prompt_token_ids: tuple[int, ...] | None = None
+    # Ask for each sampled token's log-probability (Completion.logprobs).
+    logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,11 @@ class Completion:
     completion_tokens: int
     finish_reason: str | None
     latency_s: float
+    # Token-level engines (vLLM) give the ids they were sent and sampled, the end-of-sequence
+    # token included; what training learns from. Empty where the engine does not say.
+    prompt_token_ids: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] | None = None  # of each sampled token, when asked for
 
 
 class EngineError(RuntimeError):

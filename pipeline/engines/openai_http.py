@@ -66,6 +66,11 @@ class OpenAIEngine:
             )
 
     async def generate(self, request: GenerationRequest) -> Completion:
+        if request.prompt_token_ids is not None:
+            raise EngineError(
+                "an OpenAI-compatible server takes messages, not token ids: train with the "
+                "in-process vLLM engine"
+            )
         sampling = request.sampling
         async with self._slots:
             started = time.perf_counter()

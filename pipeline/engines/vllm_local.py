@@ -79,7 +79,10 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        prompt_ids = chat_prompt_ids(self.tokenizer, request.prompt)
+        if request.prompt_token_ids is not None:
+            prompt_ids = list(request.prompt_token_ids)
+        else:
+            prompt_ids = chat_prompt_ids(self.tokenizer, request.prompt)
         budget = self.config.max_model_len - len(prompt_ids)
         if budget < 1:
             raise EngineError(
@@ -93,6 +96,7 @@ class VLLMEngine:
             top_p=sampling.top_p,
             seed=sampling.seed,
             stop=list(sampling.stop) or None,
+            logprobs=0 if request.logprobs else None,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         started = time.perf_counter()
@@ -113,6 +117,14 @@ class VLLMEngine:
             completion_tokens=len(choice.token_ids),
             finish_reason=choice.finish_reason,
             latency_s=time.perf_counter() - started,
+            prompt_token_ids=tuple(prompt_ids),
+            token_ids=tuple(choice.token_ids),
+            logprobs=None
+            if choice.logprobs is None
+            else tuple(
+                position[token].logprob
+                for position, token in zip(choice.logprobs, choice.token_ids, strict=True)
+            ),
         )
 
     async def check_health(self) -> None:

@@ -1,3 +1,9 @@
-"""Reinforcement learning of the memory policy (Multi-Conv DAPO): the algorithm as pure torch
-functions, its presets, synthetic tasks with verifiable answers, and the learner that trains a
-causal LM on a rollout batch's conversations."""
+"""Reinforcement learning of the memory policy (Multi-Conv DAPO), from the bottom up:
+
+algorithm.py  advantages, the clipped token-mean loss, the group filter: pure torch functions
+tasks.py      the synthetic keep-the-fact task on real prose, with train and held-out splits
+rollout.py    memory chains sampled through the engine, kept as token ids
+learner.py    the causal LM in fp32 and its optimiser: one step per rollout batch
+config.py     `memstream train`'s settings (one pydantic model; the flags come from it)
+trainer.py    the loop: roll out, learn, checkpoint, reload the engine from the checkpoint
+"""

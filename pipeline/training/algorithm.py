@@ -21,6 +21,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
+from pipeline.training.config import PresetName
+
 # verl's stability clamps: the log-ratio before `exp`, and the k3 estimate itself.
 MAX_ABS_LOG_RATIO = 20.0
 MAX_ABS_LOW_VAR_KL = 10.0
@@ -186,9 +188,6 @@ def overlong_penalty(lengths: Tensor, *, max_length: int, cache_length: int) -> 
     inside_cache = (free - lengths) / cache_length
     penalty = torch.where(lengths <= free, 0.0, inside_cache)
     return torch.where(lengths > max_length, -1.0, penalty)
-
-
-PresetName = Literal["memagent", "dapo"]
 
 
 class TrainingAlgorithmConfig(BaseModel):

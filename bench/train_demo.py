@@ -1,0 +1,242 @@
+"""The CPU demonstration of Multi-Conv DAPO (`make train`): does RL teach a small model to keep
+a fact through its memory?
+
+Phases, each saved to `state.json` as it ends, so `--resume` picks up where a run stopped:
+1. probe: the untrained model's pass rate at temperature 1 on training samples (the task is
+   sized so that it lies between about 0.1 and 0.6: some groups then carry a signal);
+2. before: held-out accuracy of the untrained model, greedy, on `--heldout` samples;
+3. train: `memstream train` (pipeline.training.trainer) for `--steps` steps, checkpointed
+   after each; a killed run resumes from its last checkpoint;
+4. after: the same held-out samples on the trained checkpoint;
+5. report: accuracy before and after with a paired exact test (McNemar's, on the samples one
+   model got right and the other wrong) and a bootstrap interval of the difference, the reward
+   curve as a PNG, and `results.md`.
+
+Held-out samples share neither text nor keys with the training ones (pipeline.training.tasks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common
+
+from pipeline.training.config import TrainConfig
+from pipeline.training.trainer import (
+    CHECKPOINT_DIR,
+    METRICS_FILE,
+    SampleSource,
+    run_training,
+    score_heldout,
+)
+
+STATE_FILE = "state.json"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", type=Path, default=common.RESULTS / "train-demo")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--preset", default="memagent", choices=("memagent", "dapo"))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--samples-per-step", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--n-segments", type=int, default=3)
+    parser.add_argument("--segment-tokens", type=int, default=150)
+    parser.add_argument("--n-distractors", type=int, default=2)
+    parser.add_argument("--max-memory-tokens", type=int, default=64)
+    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--probe", type=int, default=32, help="training samples for the probe")
+    parser.add_argument("--heldout", type=int, default=100, help="held-out samples")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+
+    output: Path = args.output
+    output.mkdir(parents=True, exist_ok=True)
+    state_path = output / STATE_FILE
+    state: dict[str, Any] = (
+        json.loads(state_path.read_text()) if args.resume and state_path.exists() else {}
+    )
+    config = TrainConfig(
+        output=output / "run", model=args.model, preset=args.preset, steps=args.steps,
+        samples_per_step=args.samples_per_step, group_size=args.group_size,
+        n_segments=args.n_segments, segment_tokens=args.segment_tokens,
+        n_distractors=args.n_distractors, chunk_size=args.segment_tokens + 32,
+        max_memory_tokens=args.max_memory_tokens, max_answer_tokens=32,
+        learning_rate=args.learning_rate, warmup_steps=2, raw_match=True,
+        mini_batch_conversations=16, epochs_per_batch=2, resume=True,
+    )  # fmt: skip
+    state.setdefault("config", config.model_dump(mode="json"))
+    state.setdefault("cpu", platform.processor() or platform.machine())
+
+    def save() -> None:
+        state_path.write_text(json.dumps(state, indent=2))
+
+    if not args.report_only:
+        if "probe" not in state:
+            state["probe"] = probe(config, args.probe)
+            save()
+            print(f"probe: pass rate {state['probe']['pass_rate']:.3f} at temperature 1")
+        if "before" not in state:
+            started = time.perf_counter()
+            state["before"] = score_heldout(config, config.model, args.heldout)
+            state["before_seconds"] = time.perf_counter() - started
+            save()
+            print(f"before: {mean(state['before']):.3f} held-out (greedy)")
+        if not state.get("trained"):
+            started = time.perf_counter()
+            run_training(config)
+            state["train_seconds"] = state.get("train_seconds", 0.0) + time.perf_counter() - started
+            state["trained"] = True
+            save()
+        if "after" not in state:
+            state["after"] = score_heldout(config, output / "run" / CHECKPOINT_DIR, args.heldout)
+            save()
+            print(f"after: {mean(state['after']):.3f} held-out (greedy)")
+    write_report(output, state)
+    return 0
+
+
+def probe(config: TrainConfig, n_samples: int) -> dict[str, Any]:
+    """The untrained model's pass rate at the rollout temperature, one chain per sample."""
+    import asyncio
+
+    from pipeline.engines import models
+    from pipeline.engines.factory import open_engine
+    from pipeline.training.rollout import PromptSplicer
+    from pipeline.training.trainer import _roll_out_samples, _tokenizer, rollout_engine_spec
+
+    base = models.resolve(config.model)
+    tokenizer = _tokenizer(base)
+    wide = config.model_copy(update={"samples_per_step": n_samples, "group_size": 1})
+    samples = SampleSource(wide, tokenizer).draw(step=10_000, draw=0)
+    started = time.perf_counter()
+
+    async def run() -> list[float]:
+        engine = open_engine(rollout_engine_spec(config, Path(base)))
+        try:
+            groups = await _roll_out_samples(
+                engine, PromptSplicer(tokenizer), wide, samples, tokenizer, step=10_000, draw=0
+            )
+        finally:
+            await engine.shutdown()
+        return [group[0].reward for group in groups]
+
+    rewards = asyncio.run(run())
+    return {
+        "rewards": rewards,
+        "pass_rate": mean(rewards),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def mcnemar_exact(before: list[float], after: list[float]) -> tuple[int, int, float]:
+    """(improved, worsened, two-sided exact p) over the paired samples that changed."""
+    improved = sum(1 for b, a in zip(before, after, strict=True) if a > b)
+    worsened = sum(1 for b, a in zip(before, after, strict=True) if b > a)
+    n = improved + worsened
+    if n == 0:
+        return 0, 0, 1.0
+    tail = sum(math.comb(n, k) for k in range(min(improved, worsened) + 1)) / 2**n
+    return improved, worsened, min(1.0, 2 * tail)
+
+
+def bootstrap_interval(
+    before: list[float], after: list[float], rounds: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
+    """95% percentile interval of mean(after - before), resampling the paired samples."""
+    rng = random.Random(seed)
+    differences = [a - b for b, a in zip(before, after, strict=True)]
+    n = len(differences)
+    means = sorted(sum(rng.choice(differences) for _ in range(n)) / n for _ in range(rounds))
+    return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+
+
+def write_report(output: Path, state: dict[str, Any]) -> None:
+    metrics_path = output / "run" / METRICS_FILE
+    metrics = (
+        [json.loads(line) for line in metrics_path.read_text().splitlines()]
+        if metrics_path.exists()
+        else []
+    )
+    if metrics:
+        plot_rewards(metrics, output / "reward_curve.png")
+    lines = ["# Multi-Conv DAPO on the CPU: keeping a fact through the memory", ""]
+    lines.append(f"CPU: {state.get('cpu')}; config: `{json.dumps(state['config'])}`")
+    lines.append("")
+    if "probe" in state:
+        lines.append(
+            f"- probe (untrained, temperature 1, {len(state['probe']['rewards'])} training "
+            f"samples): pass rate {state['probe']['pass_rate']:.3f}, "
+            f"{state['probe']['seconds']:.0f} s"
+        )
+    if "before" in state and "after" in state:
+        before, after = state["before"], state["after"]
+        improved, worsened, p = mcnemar_exact(before, after)
+        low, high = bootstrap_interval(before, after)
+        lines += [
+            "",
+            "| held-out (greedy, raw match or answer) | samples | accuracy |",
+            "|---|---:|---:|",
+            f"| untrained | {len(before)} | {mean(before):.3f} |",
+            f"| after {len(metrics)} steps | {len(after)} | {mean(after):.3f} |",
+            "",
+            f"Difference {mean(after) - mean(before):+.3f} (95% bootstrap interval "
+            f"{low:+.3f} to {high:+.3f}); {improved} samples improved, {worsened} worsened, "
+            f"McNemar exact p = {p:.3g}.",
+        ]
+    if "train_seconds" in state:
+        lines.append(f"Training took {state['train_seconds'] / 60:.0f} min.")
+    if metrics:
+        lines += [
+            "",
+            "| step | reward mean | groups kept | loss | clip fraction | rollouts s | learner s |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in metrics:
+            lines.append(
+                f"| {row['step']} | {row['reward_mean']:.3f} | {row['groups_kept']}/"
+                f"{row['groups_drawn']} | {row.get('learner_loss', float('nan')):+.4f} | "
+                f"{row.get('learner_clip_fraction', float('nan')):.3f} | "
+                f"{row['rollout_seconds']:.0f} | {row.get('learner_seconds', float('nan')):.0f} |"
+            )
+    (output / "results.md").write_text("\n".join(lines) + "\n")
+    print((output / "results.md").read_text())
+
+
+def plot_rewards(metrics: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [row["step"] for row in metrics]
+    rewards = [row["reward_mean"] for row in metrics]
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    axis.plot(steps, rewards, marker="o", linewidth=1)
+    axis.set_xlabel("training step")
+    axis.set_ylabel("mean reward of the rollouts")
+    axis.set_ylim(0, 1)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

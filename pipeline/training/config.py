@@ -1,0 +1,95 @@
+"""`memstream train`'s settings: one pydantic model, whose fields are the command's flags.
+
+Kept apart from the trainer so that building the command line imports no torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.config import default_template
+from pipeline.core.chain import ChainConfig
+from pipeline.core.templates import get_template_set
+
+if TYPE_CHECKING:
+    from pipeline.training.algorithm import TrainingAlgorithmConfig
+    from pipeline.training.learner import LearnerConfig
+
+PresetName = Literal["memagent", "dapo"]
+
+
+class TrainConfig(BaseModel):
+    """What `memstream train` takes; every field is a flag of the same name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    output: Path = Field(description="Folder for the checkpoint (a loadable model) and metrics.")
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="The policy to train: a packaged model name or a local Hugging Face folder.",
+    )
+    answers: Path | None = Field(
+        None,
+        description="JSON Lines of {document, question, answers}: train on your own archive. "
+        "Default: the synthetic keep-the-fact task (pipeline.training.tasks).",
+    )
+    preset: PresetName = Field("memagent", description="Algorithm preset: memagent or dapo.")
+    steps: int = Field(20, ge=1, description="Rollout batches to train on (the run's total).")
+    samples_per_step: int = Field(8, ge=1, description="Samples (groups) per rollout batch.")
+    group_size: int = Field(8, ge=2, description="Sampled chains per sample, G.")
+    n_segments: int = Field(3, ge=1, description="Synthetic task: segments per document.")
+    segment_tokens: int = Field(200, ge=16, description="Synthetic task: tokens per segment.")
+    n_distractors: int = Field(3, ge=0, description="Synthetic task: distractor facts per doc.")
+    chunk_size: int = Field(200, ge=16, description="Tokens of document per memory update.")
+    max_memory_tokens: int = Field(64, ge=1, description="Memory budget of an update, tokens.")
+    max_answer_tokens: int = Field(32, ge=1, description="Token budget of the final answer.")
+    template: str | None = Field(
+        None,
+        description="Memory template set; default: the one the model is served with "
+        "(pipeline.config.default_template), so it learns the format it will answer in.",
+    )
+    temperature: float = Field(1.0, gt=0.0, description="Rollout sampling temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus sampling.")
+    learning_rate: float = Field(1e-6, gt=0.0, description="AdamW learning rate.")
+    warmup_steps: int = Field(20, ge=0, description="Optimiser steps of linear warm-up.")
+    mini_batch_conversations: int = Field(32, ge=1, description="Conversations per optimiser step.")
+    epochs_per_batch: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    micro_batch_tokens: int = Field(4096, ge=64, description="Padded tokens per forward pass.")
+    raw_match: bool = Field(
+        False,
+        description="Reward a gold answer found anywhere in the reply, not only after 'the "
+        "answer is' (for models that seldom use the answer format).",
+    )
+    seed: int = Field(0, description="Seeds the samples, the rollouts and the learner.")
+    max_model_len: int = Field(2048, ge=256, description="Rollout engine context, tokens.")
+    kv_cache_gib: int = Field(1, ge=1, description="Rollout engine KV cache on CPU, GiB.")
+    resume: bool = Field(False, description="Continue the run in `output` from its checkpoint.")
+
+    def algorithm(self) -> TrainingAlgorithmConfig:
+        from pipeline.training.algorithm import TrainingAlgorithmConfig
+
+        return TrainingAlgorithmConfig.preset(self.preset, group_size=self.group_size)
+
+    def chain(self) -> ChainConfig:
+        return ChainConfig(
+            templates=get_template_set(self.template or default_template(self.model)),
+            max_memory_tokens=self.max_memory_tokens,
+            max_answer_tokens=self.max_answer_tokens,
+        )
+
+    def learner(self, base: str) -> LearnerConfig:
+        from pipeline.training.learner import LearnerConfig
+
+        return LearnerConfig(
+            model=base,
+            algorithm=self.algorithm(),
+            learning_rate=self.learning_rate,
+            warmup_steps=self.warmup_steps,
+            mini_batch_conversations=self.mini_batch_conversations,
+            epochs_per_batch=self.epochs_per_batch,
+            micro_batch_tokens=self.micro_batch_tokens,
+            seed=self.seed,
+        )

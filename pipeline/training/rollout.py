@@ -1,0 +1,192 @@
+"""Rollouts: memory chains sampled through an engine, kept as the token ids it saw and sampled.
+
+A rollout of one sample is a `MemoryChain` driven step by step: K update conversations (segment
+and memory in, new memory out) and one final conversation (memory and question in, answer
+out). Each conversation is kept as the prompt ids the engine was sent and the ids it sampled,
+the end-of-sequence token included, so the learner trains on exactly those tokens, never on
+re-encoded text.
+
+A memory enters the next prompt as the ids it was sampled as, its end-of-sequence token
+stripped, as the reference does (`unpad(remove_eos=True)`): the prompt is the chat-rendered
+template cut at the memory's place, its two sides encoded, the memory's ids spliced between
+them. Where the system changed the memory (an append or quotes policy, escaped tags, a
+`</think>` stripped), the memory's text is encoded instead; the engine is still sent, and the
+learner still trains on, the same ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pipeline.core.chain import ChainConfig, MemoryChain, StepKind, StepRequest
+from pipeline.core.extraction import (
+    extract_answer,
+    normalize_answer,
+    string_match_any,
+    sub_exact_match,
+)
+from pipeline.core.segmentation import Segment
+from pipeline.core.templates import defang
+from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
+from pipeline.training.learner import Conversation
+
+# Where the memory goes in a rendered prompt: private-use characters no template, tokenizer
+# rule or document text makes, and that defang leaves alone.
+MEMORY_SLOT = "\ue000memory\ue001"
+
+
+@dataclass(frozen=True)
+class ChainRollout:
+    """One sampled chain of one sample: its conversations, its answer and its reward."""
+
+    group: int  # the sample it answers: rollouts of one sample form a group
+    conversations: tuple[Conversation, ...]
+    response: str  # the final conversation's text
+    answer: str | None  # extracted from `response` (None: no "the answer is")
+    reward: float
+    memory_hit_budget: tuple[bool, ...]  # each update that stopped at the memory budget
+
+
+def reward_of(response: str, answers: Sequence[str], *, raw_match: bool = False) -> float:
+    """1.0 when the extracted answer matches a gold answer after normalisation (sub_em, best
+    over the golds), else 0.0. `raw_match` also counts a gold found anywhere in the response,
+    for models that seldom say "the answer is"."""
+    answer = extract_answer(response)
+    answered = answer is not None and bool(normalize_answer(answer))
+    if answered and any(sub_exact_match(answer or "", gold) for gold in answers):
+        return 1.0
+    if raw_match and string_match_any(response, list(answers)):
+        return 1.0
+    return 0.0
+
+
+class PromptSplicer:
+    """The token ids of a chain's next prompt, with the last memory's sampled ids spliced in."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.end_ids = frozenset(tokenizer.all_special_ids)
+
+    def chat_ids(self, content: str) -> list[int]:
+        return list(
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}],
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+            )
+        )
+
+    def prompt_ids(
+        self, chain: MemoryChain, request: StepRequest, memory_ids: Sequence[int] | None
+    ) -> list[int]:
+        if memory_ids is None:
+            return self.chat_ids(request.prompt)
+        templates = chain.config.templates
+        if request.kind is StepKind.UPDATE:
+            assert request.segment is not None
+            content = templates.render_update(chain.question, MEMORY_SLOT, request.segment.text)
+        else:
+            content = templates.render_final(chain.question, MEMORY_SLOT)
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+        before, after = rendered.split(MEMORY_SLOT)
+        encode = self.tokenizer.encode
+        return (
+            encode(before, add_special_tokens=False)
+            + list(memory_ids)
+            + encode(after, add_special_tokens=False)
+        )
+
+    def memory_ids(self, memory: str, response_ids: Sequence[int], reply: str) -> list[int] | None:
+        """The reply's ids without its end-of-sequence token when they are the new memory as
+        is; None when the memory is not the reply (the system changed it) or holds what the
+        template would escape."""
+        ids = list(response_ids)
+        if ids and ids[-1] in self.end_ids:
+            ids.pop()
+        if memory != reply or defang(memory) != memory:
+            return None
+        if self.tokenizer.decode(ids, skip_special_tokens=True) != memory:
+            return None
+        return ids
+
+
+async def roll_out_chain(
+    engine: Engine,
+    splicer: PromptSplicer,
+    chain: MemoryChain,
+    sampling: SamplingConfig,
+    sample_index: int,
+) -> tuple[list[Conversation], str, list[bool]]:
+    """Drives `chain` to its answer through `engine`; returns its conversations, the final
+    response and, per update, whether it stopped at the memory budget."""
+    conversations: list[Conversation] = []
+    hit_budget: list[bool] = []
+    memory_ids: list[int] | None = None
+    while (request := chain.next_request()) is not None:
+        prompt_ids = splicer.prompt_ids(chain, request, memory_ids)
+        completion = await engine.generate(
+            GenerationRequest(
+                request_id=request.request_id,
+                prompt=request.prompt,
+                max_tokens=request.max_tokens,
+                sampling=sampling,
+                prompt_token_ids=tuple(prompt_ids),
+                logprobs=True,
+            )
+        )
+        if tuple(completion.prompt_token_ids) != tuple(prompt_ids) or not completion.token_ids:
+            raise RuntimeError(
+                f"engine {engine.model} does not report token ids: train with the vLLM engine"
+            )
+        conversations.append(
+            Conversation(
+                sample_index, completion.prompt_token_ids, completion.token_ids,
+                completion.logprobs,
+            )
+        )  # fmt: skip
+        chain.submit(completion.text)
+        if request.kind is StepKind.UPDATE:
+            hit_budget.append(completion.finish_reason == "length")
+            memory_ids = splicer.memory_ids(chain.memory, completion.token_ids, completion.text)
+    return conversations, chain.raw_response or "", hit_budget
+
+
+async def roll_out_group(
+    engine: Engine,
+    splicer: PromptSplicer,
+    *,
+    group: int,
+    first_index: int,
+    question: str,
+    answers: Sequence[str],
+    segments: Sequence[Segment],
+    config: ChainConfig,
+    sampling: SamplingConfig,
+    group_size: int,
+    raw_match: bool = False,
+) -> list[ChainRollout]:
+    """`group_size` chains over one sample, sampled side by side (the engine batches them),
+    each with its own seed; rollout i of the group is sample `first_index + i` of the batch."""
+
+    async def one(i: int) -> ChainRollout:
+        chain = MemoryChain(f"g{group}r{i}", question, segments, config)
+        seeded = replace(sampling, seed=sampling.seed + first_index + i)
+        conversations, response, hit_budget = await roll_out_chain(
+            engine, splicer, chain, seeded, first_index + i
+        )
+        return ChainRollout(
+            group=group,
+            conversations=tuple(conversations),
+            response=response,
+            answer=extract_answer(response),
+            reward=reward_of(response, answers, raw_match=raw_match),
+            memory_hit_budget=tuple(hit_budget),
+        )
+
+    return list(await asyncio.gather(*(one(i) for i in range(group_size))))

