@@ -93,7 +93,7 @@ def main() -> int:
             state["before"] = score_heldout(config, config.model, args.heldout)
             state["before_seconds"] = time.perf_counter() - started
             save()
-            print(f"before: {mean(state['before']):.3f} held-out (greedy)")
+            print(f"before: {mean(scores(state['before'], 'raw')):.3f} held-out (greedy, raw)")
         if not state.get("trained"):
             started = time.perf_counter()
             run_training(config)
@@ -103,7 +103,7 @@ def main() -> int:
         if "after" not in state:
             state["after"] = score_heldout(config, output / "run" / CHECKPOINT_DIR, args.heldout)
             save()
-            print(f"after: {mean(state['after']):.3f} held-out (greedy)")
+            print(f"after: {mean(scores(state['after'], 'raw')):.3f} held-out (greedy, raw)")
     write_report(output, state)
     return 0
 
@@ -139,6 +139,10 @@ def probe(config: TrainConfig, n_samples: int) -> dict[str, Any]:
         "pass_rate": mean(rewards),
         "seconds": time.perf_counter() - started,
     }
+
+
+def scores(scored: list[dict[str, Any]], kind: str) -> list[float]:
+    return [row[kind] for row in scored]
 
 
 def mean(values: list[float]) -> float:
@@ -186,22 +190,26 @@ def write_report(output: Path, state: dict[str, Any]) -> None:
             f"{state['probe']['seconds']:.0f} s"
         )
     if "before" in state and "after" in state:
-        before, after = state["before"], state["after"]
-        improved, worsened, p = mcnemar_exact(before, after)
-        low, high = bootstrap_interval(before, after)
         lines += [
             "",
-            "| held-out (greedy, raw match or answer) | samples | accuracy |",
-            "|---|---:|---:|",
-            f"| untrained | {len(before)} | {mean(before):.3f} |",
-            f"| after {len(metrics)} steps | {len(after)} | {mean(after):.3f} |",
-            "",
-            f"Difference {mean(after) - mean(before):+.3f} (95% bootstrap interval "
-            f"{low:+.3f} to {high:+.3f}); {improved} samples improved, {worsened} worsened, "
-            f"McNemar exact p = {p:.3g}.",
+            "| held-out, greedy | samples | untrained | trained | difference (95% bootstrap) "
+            "| improved / worsened | McNemar exact p |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
+        for kind, label in (("raw", "gold anywhere in the reply"), ("strict", "answer format")):
+            before, after = scores(state["before"], kind), scores(state["after"], kind)
+            improved, worsened, p = mcnemar_exact(before, after)
+            low, high = bootstrap_interval(before, after)
+            lines.append(
+                f"| {label} | {len(before)} | {mean(before):.3f} | {mean(after):.3f} | "
+                f"{mean(after) - mean(before):+.3f} ({low:+.3f} to {high:+.3f}) | "
+                f"{improved} / {worsened} | {p:.3g} |"
+            )
     if "train_seconds" in state:
-        lines.append(f"Training took {state['train_seconds'] / 60:.0f} min.")
+        lines.append(
+            f"\nTraining: {len(metrics)} steps in {state['train_seconds'] / 60:.0f} min "
+            f"(`make train`, resumable)."
+        )
     if metrics:
         lines += [
             "",

@@ -165,3 +165,11 @@ def test_jsonl_round_trip_and_minimal_rows(corpora: Path, tmp_path: Path) -> Non
     minimal.write_text(json.dumps({"document": "d", "question": "q"}) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match="missing answers"):
         read_jsonl(minimal)
+
+
+def test_a_window_of_samples_is_the_same_as_in_the_whole_list() -> None:
+    whole = generate_samples(6, seed=4, split="train", n_segments=2, segment_tokens=80)
+    window = generate_samples(2, seed=4, split="train", n_segments=2, segment_tokens=80, first=3)
+    assert window == whole[3:5]
+    far = generate_samples(1, seed=4, split="train", n_segments=2, segment_tokens=80, first=10**7)
+    assert far[0].sample_id == f"train-4-{10**7}"

@@ -177,9 +177,11 @@ def generate_samples(
     n_distractors: int = 3,
     count_tokens: Callable[[str], int] | None = None,
     corpora: Path = DEFAULT_CORPORA,
+    first: int = 0,
 ) -> list[FactSample]:
-    """`n` samples of the split; sample i is the same whatever `n` is. `count_tokens` measures
-    pieces (a tokenizer's length); without it, words / 0.75."""
+    """Samples `first` to `first + n - 1` of the split; sample i is the same whatever `n` and
+    `first` are. `count_tokens` measures pieces (a tokenizer's length); without it, words /
+    0.75."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if n_segments < 1 or segment_tokens < 1 or n_distractors < 0:
@@ -199,7 +201,7 @@ def generate_samples(
             n_distractors=n_distractors,
             count_tokens=counter,
         )
-        for index in range(n)
+        for index in range(first, first + n)
     ]
 
 

@@ -40,7 +40,7 @@ from pipeline.training.algorithm import (
 )
 from pipeline.training.config import TrainConfig
 from pipeline.training.learner import Conversation, Learner, append_metrics
-from pipeline.training.rollout import ChainRollout, PromptSplicer, roll_out_group
+from pipeline.training.rollout import ChainRollout, PromptSplicer, reward_of, roll_out_group
 from pipeline.training.tasks import FactSample, generate_samples, read_jsonl
 
 CHECKPOINT_DIR = "checkpoint"
@@ -127,16 +127,16 @@ class SampleSource:
                 self.answers[(first + i) % len(self.answers)]
                 for i in range(config.samples_per_step)
             ]
-        samples = generate_samples(
-            first + config.samples_per_step,
+        return generate_samples(
+            config.samples_per_step,
             seed=config.seed,
             split="train",
             n_segments=config.n_segments,
             segment_tokens=config.segment_tokens,
             n_distractors=config.n_distractors,
             count_tokens=lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)),
+            first=first,
         )
-        return samples[first:]
 
 
 async def _roll_out(
@@ -319,9 +319,11 @@ def _tokenizer(base: str) -> Any:
 
 def score_heldout(
     config: TrainConfig, weights: str | Path, n_samples: int, *, seed: int = 1
-) -> list[float]:
-    """Each held-out sample's reward for the model in `weights`, greedy: the before/after
-    measure of a run. Held-out samples share neither text nor keys with the training split."""
+) -> list[dict[str, Any]]:
+    """The model in `weights` on `n_samples` held-out samples, greedy: each sample's answer and
+    its scores by the answer format (`strict`) and anywhere in the reply (`raw`): the
+    before/after measure of a run. Held-out samples share neither text nor keys with the
+    training split."""
     base = models.resolve(config.model)
     tokenizer = _tokenizer(base)
     samples = generate_samples(
@@ -333,16 +335,28 @@ def score_heldout(
         n_distractors=config.n_distractors,
         count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
     )
+    one_chain = config.model_copy(update={"group_size": 1})
 
-    async def score() -> list[float]:
+    async def roll_out() -> list[list[ChainRollout]]:
         engine = open_engine(rollout_engine_spec(config, Path(models.resolve(str(weights)))))
         try:
-            groups = await _roll_out_samples(
-                engine, PromptSplicer(tokenizer), config.model_copy(update={"group_size": 1}),
-                samples, tokenizer, step=0, draw=0, sampling=SamplingConfig(),
+            return await _roll_out_samples(
+                engine, PromptSplicer(tokenizer), one_chain, samples, tokenizer, step=0, draw=0,
+                sampling=SamplingConfig(),
             )  # fmt: skip
         finally:
             await engine.shutdown()
-        return [group[0].reward for group in groups]
 
-    return asyncio.run(score())
+    scored = []
+    for sample, (rollout,) in zip(samples, asyncio.run(roll_out()), strict=True):
+        scored.append(
+            {
+                "sample_id": sample.sample_id,
+                "answers": sample.answers,
+                "answer": rollout.answer,
+                "response": rollout.response,
+                "strict": reward_of(rollout.response, sample.answers),
+                "raw": reward_of(rollout.response, sample.answers, raw_match=True),
+            }
+        )
+    return scored
