@@ -20,7 +20,13 @@ import pytest
 
 from pipeline.ask import DocumentInput, answer, prepare
 from pipeline.config import MethodConfig
-from pipeline.engines.base import EngineError, EngineUnhealthy, GenerationRequest, SamplingConfig
+from pipeline.engines.base import (
+    Completion,
+    EngineError,
+    EngineUnhealthy,
+    GenerationRequest,
+    SamplingConfig,
+)
 from pipeline.engines.hardware import resolve_dtype
 from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
@@ -62,6 +68,39 @@ def test_vllm_engine_is_deterministic_by_default(vllm_engine, event_loop_runner)
     first = event_loop_runner.run(generate_all(vllm_engine, PROMPTS[:3], max_tokens=24))
     second = event_loop_runner.run(generate_all(vllm_engine, PROMPTS[:3], max_tokens=24))
     assert [c.text for c in first] == [c.text for c in second]
+
+
+def test_sampled_requests_survive_prompts_prefilled_in_chunks(test_model_path: str) -> None:
+    """Seeded sampling on CPU killed vLLM's engine when a prompt was prefilled in chunks (it
+    rewinds a CUDA-only generator offset); a token budget of 64 a step forces the chunks."""
+    engine = VLLMEngine(
+        VLLMEngineConfig(
+            model=test_model_path, max_model_len=1024, dtype=resolve_dtype("auto"),
+            cpu_kvcache_space_gib=1, enforce_eager=True,
+            engine_kwargs={"max_num_batched_tokens": 64, "max_num_seqs": 4},
+        )
+    )  # fmt: skip
+    sampling = SamplingConfig(temperature=1.0, seed=7)
+    prompts = [
+        f"Story {i}: " + "the quick brown fox jumps over the lazy dog " * 12 for i in range(4)
+    ]
+
+    async def sampled() -> list[Completion]:
+        try:
+            completions = await asyncio.gather(
+                *(
+                    engine.generate(GenerationRequest(f"s{i}", prompt, 6, sampling))
+                    for i, prompt in enumerate(prompts)
+                )
+            )
+            await engine.check_health()
+            return list(completions)
+        finally:
+            await engine.shutdown()
+
+    completions = asyncio.run(sampled())
+    assert all(completion.prompt_tokens > 64 for completion in completions)
+    assert all(completion.completion_tokens >= 1 for completion in completions)
 
 
 def test_vllm_engine_refuses_a_prompt_longer_than_its_window(

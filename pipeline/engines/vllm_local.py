@@ -73,6 +73,7 @@ class VLLMEngine:
         self._llm: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args()))
         self._watchdog = start_watchdog([pid for pid in descendant_pids() if pid not in others])
         self._ids = itertools.count()
+        self._per_request_seeds = not _on_cpu()
 
     async def generate(self, request: GenerationRequest) -> Completion:
         from vllm import SamplingParams
@@ -94,7 +95,7 @@ class VLLMEngine:
             max_tokens=min(request.max_tokens, budget),
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            seed=sampling.seed,
+            seed=sampling.seed if self._per_request_seeds or sampling.temperature == 0 else None,
             stop=list(sampling.stop) or None,
             logprobs=0 if request.logprobs else None,
             output_kind=RequestOutputKind.FINAL_ONLY,
@@ -152,6 +153,17 @@ class VLLMEngine:
             llm.shutdown()
             self._watchdog.terminate()
             self._watchdog.wait()
+
+
+def _on_cpu() -> bool:
+    """vLLM's model runner rewinds a sampled request's generator when its prompt is prefilled
+    in chunks, by an offset only CUDA generators have: on CPU, a seeded sampled request in a
+    chunked batch kills the engine ("CPU Generator does not use offset"). There, sampled
+    requests draw from the engine's seeded stream instead: reproducible for the same batch,
+    not request by request. Greedy requests need no generator."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def chat_prompt_ids(tokenizer: Any, content: str) -> list[int]:
