@@ -2,11 +2,12 @@
 a fact through its memory?
 
 Phases, each saved to `state.json` as it ends, so `--resume` picks up where a run stopped:
-1. probe: the untrained model's pass rate at temperature 1 on training samples (the task is
-   sized so that it lies between about 0.1 and 0.6: some groups then carry a signal);
+1. probe: the untrained model's pass rate at the rollout temperature on training samples (the
+   task is sized so that it lies between about 0.1 and 0.6: some groups then carry a signal);
 2. before: held-out accuracy of the untrained model, greedy, on `--heldout` samples;
 3. train: `memstream train` (pipeline.training.trainer) for `--steps` steps, checkpointed
-   after each; a killed run resumes from its last checkpoint;
+   after each in `--run-dir`; a killed run resumes from its last checkpoint, and a larger
+   `--steps` continues a finished one;
 4. after: the same held-out samples on the trained checkpoint;
 5. report: accuracy before and after with a paired exact test (McNemar's, on the samples one
    model got right and the other wrong) and a bootstrap interval of the difference, the reward
@@ -46,16 +47,24 @@ STATE_FILE = "state.json"
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=common.RESULTS / "train-demo")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "memstream" / "runs" / "train-demo",
+        help="the training run (checkpoint, rollouts, metrics): outside the repository",
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--preset", default="memagent", choices=("memagent", "dapo"))
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--samples-per-step", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--n-segments", type=int, default=3)
-    parser.add_argument("--segment-tokens", type=int, default=150)
-    parser.add_argument("--n-distractors", type=int, default=2)
-    parser.add_argument("--max-memory-tokens", type=int, default=64)
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
+    parser.add_argument("--preset", default="dapo", choices=("memagent", "dapo"))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--samples-per-step", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--n-segments", type=int, default=2)
+    parser.add_argument("--segment-tokens", type=int, default=120)
+    parser.add_argument("--n-distractors", type=int, default=1)
+    parser.add_argument("--max-memory-tokens", type=int, default=48)
+    parser.add_argument("--learning-rate", type=float, default=2e-5)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--template", default="memagent-reference")
     parser.add_argument("--probe", type=int, default=32, help="training samples for the probe")
     parser.add_argument("--heldout", type=int, default=100, help="held-out samples")
     parser.add_argument("--resume", action="store_true")
@@ -69,13 +78,14 @@ def main() -> int:
         json.loads(state_path.read_text()) if args.resume and state_path.exists() else {}
     )
     config = TrainConfig(
-        output=output / "run", model=args.model, preset=args.preset, steps=args.steps,
+        output=args.run_dir, model=args.model, preset=args.preset, steps=args.steps,
         samples_per_step=args.samples_per_step, group_size=args.group_size,
         n_segments=args.n_segments, segment_tokens=args.segment_tokens,
         n_distractors=args.n_distractors, chunk_size=args.segment_tokens + 32,
         max_memory_tokens=args.max_memory_tokens, max_answer_tokens=32,
         learning_rate=args.learning_rate, warmup_steps=2, raw_match=True,
-        mini_batch_conversations=16, epochs_per_batch=2, resume=True,
+        temperature=args.temperature, template=args.template,
+        mini_batch_conversations=16, epochs_per_batch=1, resume=True,
     )  # fmt: skip
     state.setdefault("config", config.model_dump(mode="json"))
     state.setdefault("cpu", platform.processor() or platform.machine())
@@ -87,24 +97,25 @@ def main() -> int:
         if "probe" not in state:
             state["probe"] = probe(config, args.probe)
             save()
-            print(f"probe: pass rate {state['probe']['pass_rate']:.3f} at temperature 1")
+            print(f"probe: pass rate {state['probe']['pass_rate']:.3f} at {config.temperature}")
         if "before" not in state:
             started = time.perf_counter()
             state["before"] = score_heldout(config, config.model, args.heldout)
             state["before_seconds"] = time.perf_counter() - started
             save()
             print(f"before: {mean(scores(state['before'], 'raw')):.3f} held-out (greedy, raw)")
-        if not state.get("trained"):
-            started = time.perf_counter()
-            run_training(config)
+        started = time.perf_counter()
+        done_before = steps_done(args.run_dir)
+        run_training(config)  # resumes; returns at once when the steps are done
+        if steps_done(args.run_dir) > done_before:
             state["train_seconds"] = state.get("train_seconds", 0.0) + time.perf_counter() - started
-            state["trained"] = True
             save()
-        if "after" not in state:
-            state["after"] = score_heldout(config, output / "run" / CHECKPOINT_DIR, args.heldout)
+        if state.get("after_steps") != steps_done(args.run_dir):
+            state["after"] = score_heldout(config, args.run_dir / CHECKPOINT_DIR, args.heldout)
+            state["after_steps"] = steps_done(args.run_dir)
             save()
             print(f"after: {mean(scores(state['after'], 'raw')):.3f} held-out (greedy, raw)")
-    write_report(output, state)
+    write_report(output, args.run_dir, state)
     return 0
 
 
@@ -141,6 +152,11 @@ def probe(config: TrainConfig, n_samples: int) -> dict[str, Any]:
     }
 
 
+def steps_done(run_dir: Path) -> int:
+    metrics = run_dir / METRICS_FILE
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
 def scores(scored: list[dict[str, Any]], kind: str) -> list[float]:
     return [row[kind] for row in scored]
 
@@ -171,8 +187,8 @@ def bootstrap_interval(
     return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
 
 
-def write_report(output: Path, state: dict[str, Any]) -> None:
-    metrics_path = output / "run" / METRICS_FILE
+def write_report(output: Path, run_dir: Path, state: dict[str, Any]) -> None:
+    metrics_path = run_dir / METRICS_FILE
     metrics = (
         [json.loads(line) for line in metrics_path.read_text().splitlines()]
         if metrics_path.exists()

@@ -45,11 +45,13 @@ def make_learner(model: str, **overrides: object) -> Learner:
     return Learner(LearnerConfig.model_validate({**settings, **overrides}))
 
 
-def plain_logprobs(model: torch.nn.Module, conversation: Conversation) -> torch.Tensor:
+def plain_logprobs(
+    model: torch.nn.Module, conversation: Conversation, temperature: float = 1.0
+) -> torch.Tensor:
     """One unpadded full forward, log_softmax over every position, then the response's."""
     ids = torch.tensor([conversation.prompt_ids + conversation.response_ids])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
+        logits = model(input_ids=ids).logits[0].float() / temperature
     start = len(conversation.prompt_ids) - 1
     predicting = torch.log_softmax(logits, dim=-1)[start:-1]
     return predicting.gather(-1, ids[0, start + 1 :].unsqueeze(-1)).squeeze(-1)
@@ -73,6 +75,16 @@ def test_response_logprobs_match_a_plain_forward_and_ignore_micro_batching(
         assert batched.shape == (len(conversation.response_ids),)
         torch.testing.assert_close(batched, expected, rtol=0.0, atol=1e-5)
         torch.testing.assert_close(single, expected, rtol=0.0, atol=1e-5)
+
+
+def test_log_probabilities_are_those_of_the_sampling_temperature(
+    test_model_path: str, conversations: list[Conversation]
+) -> None:
+    learner = make_learner(test_model_path, temperature=0.7)
+    (tempered,) = learner.response_logprobs(conversations[:1])
+    expected = plain_logprobs(learner.model, conversations[0], temperature=0.7)
+    torch.testing.assert_close(tempered, expected, rtol=0.0, atol=1e-5)
+    assert not torch.allclose(tempered, plain_logprobs(learner.model, conversations[0]))
 
 
 def test_the_ratio_starts_at_one_and_then_moves(

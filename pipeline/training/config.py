@@ -91,5 +91,6 @@ class TrainConfig(BaseModel):
             mini_batch_conversations=self.mini_batch_conversations,
             epochs_per_batch=self.epochs_per_batch,
             micro_batch_tokens=self.micro_batch_tokens,
+            temperature=self.temperature,
             seed=self.seed,
         )

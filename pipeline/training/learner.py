@@ -136,6 +136,12 @@ class LearnerConfig(BaseModel):
         description="Most padded tokens (sequences x longest length) in one forward pass; a "
         "longer conversation goes through alone.",
     )
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="The rollouts' sampling temperature: logits are divided by it, so the "
+        "policy trained is the one that sampled (as verl does).",
+    )
     seed: int = Field(0, description="Seeds torch and the shuffling of mini-batches.")
     device: str = Field("cpu", description="torch device of the model and the loss.")
     lora: bool = Field(
@@ -474,6 +480,8 @@ class Learner:
         softcap = getattr(model.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
+        if self.config.temperature != 1.0:
+            logits = logits / self.config.temperature
         targets = input_ids[row_index, position_index + 1]
         all_logprobs = torch.log_softmax(logits, dim=-1)
         token_logprobs = all_logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

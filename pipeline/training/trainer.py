@@ -214,7 +214,8 @@ async def _roll_out_samples(
 
 
 def rollout_engine_spec(config: TrainConfig, weights: Path) -> EngineSpec:
-    """float32, so the engine's log-probabilities match the learner's (issue 17's sync rule)."""
+    """float32, so the engine's log-probabilities match the learner's (issue 17's sync rule);
+    reported after the temperature, as the learner computes them."""
     return EngineSpec(
         model=str(weights),
         tokenizer=models.resolve(config.model),
@@ -222,6 +223,7 @@ def rollout_engine_spec(config: TrainConfig, weights: Path) -> EngineSpec:
         max_model_len=config.max_model_len,
         cpu_kvcache_space_gib=config.kv_cache_gib,
         enforce_eager=True,
+        engine_kwargs={"logprobs_mode": "processed_logprobs"},
     )
 
 
@@ -264,7 +266,9 @@ def _overlong(config: TrainConfig, rollout: ChainRollout) -> float:
     if not updates:
         return 0.0
     lengths = torch.tensor([len(c.response_ids) for c in updates])
-    cache = min(config.algorithm().overlong_cache_tokens, config.max_memory_tokens)
+    # The penalty ramps over the last `cache` tokens of the budget: at most its last quarter
+    # (DAPO: 4,096 of 20,480), or every memory would be penalised.
+    cache = min(config.algorithm().overlong_cache_tokens, max(1, config.max_memory_tokens // 4))
     return float(
         overlong_penalty(lengths, max_length=config.max_memory_tokens, cache_length=cache).mean()
     )
