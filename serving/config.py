@@ -265,9 +265,20 @@ def load_config(path: Path | None) -> ServingConfig:
     return config_from_mapping({} if data is None else data, where=str(path))
 
 
+# Sections whose defaults differ from their type's: a partial section keeps the other defaults.
+SECTION_DEFAULTS = {
+    "engine_deployment": _default_engine_deployment,
+    "ingress_deployment": _default_ingress_deployment,
+}
+
+
 def config_from_mapping(data: Any, where: str = "config") -> ServingConfig:
     if isinstance(data, Mapping):
         data = with_default_template(data)
+        for section, default in SECTION_DEFAULTS.items():
+            given = data.get(section)
+            if isinstance(given, Mapping):
+                data = {**data, section: {**dataclasses.asdict(default()), **given}}
     return parse_config(ServingConfig, data, where)
 
 

@@ -102,6 +102,10 @@ def test_config_file_is_validated_with_the_key_path(tmp_path: Path) -> None:
         config_from_mapping({"limits": {"max_pages": 3}})
     with pytest.raises(ConfigError, match="num_replicas must be at least 1"):
         config_from_mapping({"engine_deployment": {"num_replicas": 0}})
+    # A partial section keeps that section's own defaults (the ingress needs half a CPU).
+    partial = config_from_mapping({"ingress_deployment": {"max_ongoing_requests": 64}})
+    assert partial.ingress_deployment.max_ongoing_requests == 64
+    assert partial.ingress_deployment.num_cpus == 0.5
     with pytest.raises(ConfigError, match="must start with http://, https:// or s3://"):
         config_from_mapping({"uris": {"allowed_prefixes": ["file:///srv/"]}})
     with pytest.raises(ConfigError, match="shorter than 16 characters"):
