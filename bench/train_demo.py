@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
+import os
 import random
 import sys
 import time
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common
 
+from pipeline.engines.hardware import detect
 from pipeline.training.config import TrainConfig
 from pipeline.training.trainer import (
     CHECKPOINT_DIR,
@@ -88,7 +89,8 @@ def main() -> int:
         mini_batch_conversations=16, epochs_per_batch=1, resume=True,
     )  # fmt: skip
     state.setdefault("config", config.model_dump(mode="json"))
-    state.setdefault("cpu", platform.processor() or platform.machine())
+    hardware = detect()
+    state.setdefault("cpu", f"{hardware.cpu_model}, {os.cpu_count()} cores, dtype float32")
 
     def save() -> None:
         state_path.write_text(json.dumps(state, indent=2))
@@ -201,7 +203,8 @@ def write_report(output: Path, run_dir: Path, state: dict[str, Any]) -> None:
     lines.append("")
     if "probe" in state:
         lines.append(
-            f"- probe (untrained, temperature 1, {len(state['probe']['rewards'])} training "
+            f"- probe (untrained, temperature {state['config']['temperature']}, "
+            f"{len(state['probe']['rewards'])} training "
             f"samples): pass rate {state['probe']['pass_rate']:.3f}, "
             f"{state['probe']['seconds']:.0f} s"
         )
@@ -221,10 +224,11 @@ def write_report(output: Path, run_dir: Path, state: dict[str, Any]) -> None:
                 f"{mean(after) - mean(before):+.3f} ({low:+.3f} to {high:+.3f}) | "
                 f"{improved} / {worsened} | {p:.3g} |"
             )
-    if "train_seconds" in state:
+    if metrics:
+        busy = sum(row["rollout_seconds"] + row.get("learner_seconds", 0.0) for row in metrics)
         lines.append(
-            f"\nTraining: {len(metrics)} steps in {state['train_seconds'] / 60:.0f} min "
-            f"(`make train`, resumable)."
+            f"\nTraining: {len(metrics)} steps, {busy / 60:.0f} min of rollouts and learner "
+            "steps (engine restarts and checkpoint writes besides; `make train`, resumable)."
         )
     if metrics:
         lines += [
