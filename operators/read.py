@@ -12,9 +12,8 @@ from dataclasses import replace
 import pyarrow as pa
 
 from connectors.base import Source, SourceError
-from connectors.state.store import ErrorRecord
 from operators.parsing import ParseError, parse_document
-from operators.run import RunContext, open_store
+from operators.run import RunContext
 from pipeline.core.document import Document, documents_of, documents_table
 
 logger = logging.getLogger(__name__)
@@ -61,28 +60,15 @@ class ReadParseStage:
                     page_starts=text.page_starts,
                 )
         except ParseError as error:
-            self._fail(document, stage, "ParseError", error.reason)
+            self.run.record_error(document, stage, "ParseError", error.reason)
             return None
         except SourceError as error:
-            self._fail(document, stage, "SourceError", str(error))
+            self.run.record_error(document, stage, "SourceError", str(error))
             return None
         except Exception as error:  # a bug or a library failure: one error row, not a crash
             logger.exception("cannot %s %s", stage, document.uri)
-            self._fail(document, stage, type(error).__name__, str(error) or type(error).__name__)
+            message = str(error) or type(error).__name__
+            self.run.record_error(document, stage, type(error).__name__, message)
             return None
         text_bytes = (parsed.text or "").encode()
         return replace(parsed, content_sha256=hashlib.sha256(text_bytes).hexdigest())
-
-    def _fail(self, document: Document, stage: str, error_type: str, message: str) -> None:
-        open_store(self.run.store_url).record_error(
-            ErrorRecord(
-                run_id=self.run.run_id,
-                attempt=self.run.attempt,
-                source_uri=document.uri,
-                stage=stage,
-                error_type=error_type,
-                message=message,
-                doc_id=document.doc_id,
-                name=document.name,
-            )
-        )

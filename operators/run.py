@@ -8,8 +8,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from connectors.state.store import StateStore
+from connectors.state.store import ErrorRecord, StateStore
 from pipeline.config import MethodConfig
+from pipeline.core.document import Document
 from pipeline.engines.factory import EngineSpec
 
 
@@ -40,6 +41,21 @@ class RunContext:
             "method": self.method.as_dict(),
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+    def record_error(self, document: Document, stage: str, error_type: str, message: str) -> None:
+        """The document leaves the stream: its errors row says where and why."""
+        open_store(self.store_url).record_error(
+            ErrorRecord(
+                run_id=self.run_id,
+                attempt=self.attempt,
+                source_uri=document.uri,
+                stage=stage,
+                error_type=error_type,
+                message=message,
+                doc_id=document.doc_id,
+                name=document.name,
+            )
+        )
 
     def questions_for(self, own_questions: Sequence[str]) -> list[Question]:
         """The run's questions, then the document's own ones it does not already ask."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from connectors.state.store import DONE, DocumentRecord, ErrorRecord
+from connectors.state.store import DONE, DocumentRecord
 from operators.run import RunContext, open_store
 from pipeline.core.document import Document, PlannedChain, documents_of, documents_table
 from pipeline.core.segmentation import segment, tokenize
@@ -40,7 +40,8 @@ class SegmentStage:
                 plan = self._planned(document)
             except Exception as error:  # one bad document never stops the job
                 logger.exception("cannot segment %s", document.uri)
-                self._fail(document, type(error).__name__, str(error) or type(error).__name__)
+                message = str(error) or type(error).__name__
+                self.run.record_error(document, "segment", type(error).__name__, message)
                 continue
             if plan is not None:
                 planned.append(plan)
@@ -49,8 +50,9 @@ class SegmentStage:
     def _planned(self, document: Document) -> Document | None:
         questions = self.run.questions_for(document.questions)
         if not questions:
-            self._fail(
+            self.run.record_error(
                 document,
+                "segment",
                 "NoQuestion",
                 "no question for this document: give questions in the job, or beside the file",
             )
@@ -93,18 +95,4 @@ class SegmentStage:
             metadata=document.metadata,
             n_tokens=document.n_tokens,
             n_segments=None if document.segments is None else len(document.segments),
-        )
-
-    def _fail(self, document: Document, error_type: str, message: str) -> None:
-        open_store(self.run.store_url).record_error(
-            ErrorRecord(
-                run_id=self.run.run_id,
-                attempt=self.run.attempt,
-                source_uri=document.uri,
-                stage="segment",
-                error_type=error_type,
-                message=message,
-                doc_id=document.doc_id,
-                name=document.name,
-            )
         )
