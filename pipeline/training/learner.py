@@ -337,6 +337,11 @@ class Learner:
             mini_batches=tuple(steps),
         )
 
+    def skip_batch(self) -> None:
+        """Counts a rollout batch that carried no signal (every advantage 0) without an
+        optimiser step: Adam would move every weight by about the learning rate on noise."""
+        self.updates += 1
+
     def _optimizer_step(
         self,
         conversations: Sequence[Conversation],

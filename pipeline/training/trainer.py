@@ -88,12 +88,10 @@ def run_training(
         if batch.rollouts:
             write_rollouts(output / ROLLOUTS_DIR / f"step-{step}.jsonl", batch.rollouts)
             conversations, advantages = _learning_signal(config, batch.rollouts)
-            # Every reward of every group equal: no signal. Adam would still move the weights
-            # by about the learning rate on rounding noise, so no optimiser step is taken.
             if bool(advantages.abs().max() > 0):
                 learned = learner.step(conversations, advantages)
         if learned is None:
-            learner.updates += 1
+            learner.skip_batch()
         learner.save_checkpoint(checkpoint)
         metrics = _record(output, step, batch, None if learned is None else learned.to_dict())
         written.append(metrics)
