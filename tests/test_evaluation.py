@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import re
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from rich.console import Console
 
 from pipeline.cli.evaluate import (
     QUICK,
+    ConsoleListener,
     check_chunks_fit,
     evaluate,
     previous_results,
@@ -475,6 +477,26 @@ def test_a_resumed_suite_keeps_earlier_configurations_and_runs_only_the_rest(tok
     assert resumed.predictions[0] is first.predictions[0] and len(resumed.predictions) == 2
     assert len(first_engine.prompts) == 1  # direct: one call
     assert len(second_engine.prompts) == resumed.predictions[1].details["n_segments"] + 1
+
+
+def test_off_a_terminal_each_configuration_prints_progress_lines_as_it_runs(
+    tokenizer, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    groups = [SampleGroup("niah", "1k", lambda: [tiny_sample("niah", "1k")])]
+    settings = EvalSettings(context_window=2048, chunk_size=256, max_memory_tokens=16)
+    log = io.StringIO()
+    console = Console(file=log, force_terminal=False, width=200)
+    listener = ConsoleListener(console, tmp_path, {"model": "echo"})
+    engine = EchoEngine()
+    methods = parse_methods(f"memstream:{REFERENCE.name}")
+    with listener.progress:
+        asyncio.run(run_suite(engine, tokenizer, groups, methods, settings, listener=listener))
+    lines = log.getvalue().splitlines()
+    calls = len(engine.prompts)
+    label = "niah 1k memstream:memagent-reference (1)"
+    assert calls > 1 and lines[0] == f"{label}: {calls} model calls planned"
+    assert re.fullmatch(rf"{re.escape(label)}: model calls {calls}/{calls}, \d+ s", lines[1])
+    assert lines[2].startswith(f"niah 1k memstream:{REFERENCE.name}: accuracy 1.00")
 
 
 def test_results_read_back_as_written_and_resume_refuses_other_settings(tmp_path: Path) -> None:

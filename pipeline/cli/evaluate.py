@@ -441,6 +441,33 @@ class _ConfigurationProgress:
         self._progress.advance(self._task_id)
 
 
+class ConfigurationLines:
+    """Progress of one configuration as a line now and then, where the console is not a
+    terminal (a log file, a background run): a rich bar would print only when it ends."""
+
+    def __init__(self, console: Console, label: str, every_s: float = 30.0) -> None:
+        self._console = console
+        self._label = label
+        self._every_s = every_s
+        self._started = self._last_line = time.monotonic()
+        self._planned = 0
+        self._done = 0
+
+    def planned(self, calls: int) -> None:
+        self._planned = calls
+        self._console.print(f"{self._label}: {calls} model calls planned")
+
+    def called(self) -> None:
+        self._done += 1
+        now = time.monotonic()
+        if self._done < self._planned and now - self._last_line < self._every_s:
+            return
+        self._last_line = now
+        self._console.print(
+            f"{self._label}: model calls {self._done}/{self._planned}, {now - self._started:.0f} s"
+        )
+
+
 class ConsoleListener:
     """Shows a progress bar of model calls per configuration, prints each configuration's
     accuracy, and rewrites results.json and results.md after each one."""
@@ -466,7 +493,10 @@ class ConsoleListener:
         )
 
     def started(self, configuration: Configuration, n_samples: int) -> ProgressHook:
-        task_id = self.progress.add_task(f"{configuration.describe()} ({n_samples})", total=None)
+        label = f"{configuration.describe()} ({n_samples})"
+        if not self.console.is_terminal:
+            return ConfigurationLines(self.console, label)
+        task_id = self.progress.add_task(label, total=None)
         return _ConfigurationProgress(self.progress, task_id)
 
     def finished(self, run: ConfigurationRun, predictions: Sequence[Prediction]) -> None:
