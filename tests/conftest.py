@@ -15,6 +15,13 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 pytest_plugins = ["tests.services"]
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.processes import end_session_on_sigterm
+
+    end_session_on_sigterm()
+
+
 REPO = Path(__file__).resolve().parents[1]
 CORPORA = REPO.parent / "shared" / "corpora"
 TEST_MODEL = os.environ.get("MEMSTREAM_TEST_MODEL", "smollm2-135m-instruct")

@@ -6,6 +6,7 @@ processes among a process's descendants, for the tests that kill one."""
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import subprocess
 import time
@@ -25,6 +26,17 @@ def engine_cores(root: psutil.Process) -> list[psutil.Process]:
             if named and process.status() != psutil.STATUS_ZOMBIE:
                 found.append(process)
     return found
+
+
+def end_session_on_sigterm() -> None:
+    """SIGTERM (a CI timeout, `kill PID`) interrupts pytest as Ctrl-C does, so the session's
+    finalizers stop the servers and engines its fixtures started. By default SIGTERM ends the
+    process at once, and SeaweedFS, PostgreSQL and vLLM's EngineCore are left running."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 class ServerNotReady(RuntimeError):

@@ -1,0 +1,96 @@
+"""The test session's own hygiene: what its fixtures start, they stop, even when the session
+is ended by SIGTERM (a CI timeout, `kill PID`) rather than run to its end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+
+CONFTEST = """
+import os, sys
+from pathlib import Path
+
+import pytest
+
+from tests.processes import ServerProcess, end_session_on_sigterm
+
+
+def pytest_configure(config):
+    if os.environ["HANDLE_SIGTERM"] == "1":
+        end_session_on_sigterm()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    child = [sys.executable, "-c", "import time; time.sleep(300)"]
+    started = ServerProcess(child, tmp_path_factory.mktemp("server") / "log")
+    Path(os.environ["SERVER_PID_FILE"]).write_text(str(started.process.pid))
+    yield started
+    started.stop()
+"""
+
+TEST = """
+import time
+
+
+def test_waits_on_the_server(server):
+    time.sleep(300)
+"""
+
+
+def _server_left_running(tmp_path: Path, handle_sigterm: bool) -> bool:
+    """Runs a session whose fixture starts a server in its own session (as SeaweedFS and
+    PostgreSQL are), sends pytest SIGTERM mid-test, and says whether the server outlived it."""
+    tmp_path.mkdir()
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_waiting.py").write_text(TEST)
+    pid_file = tmp_path / "server.pid"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "SERVER_PID_FILE": str(pid_file),
+        "HANDLE_SIGTERM": "1" if handle_sigterm else "0",
+    }
+    session = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        server_pid = int(pid_file.read_text())
+        time.sleep(0.5)
+        session.send_signal(signal.SIGTERM)
+        session.wait(timeout=30)
+        try:
+            server = psutil.Process(server_pid)
+            alive = server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            alive = False
+        if alive:
+            server.kill()
+        return alive
+    finally:
+        if session.poll() is None:
+            session.kill()
+
+
+def test_sigterm_ends_the_session_with_its_servers_stopped(tmp_path: Path) -> None:
+    assert not _server_left_running(tmp_path / "handled", handle_sigterm=True)
+
+
+def test_without_the_handler_sigterm_leaves_the_server_behind(tmp_path: Path) -> None:
+    """The case the handler exists for, so the test above can fail."""
+    assert _server_left_running(tmp_path / "default", handle_sigterm=False)
