@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common
 
+from pipeline.engines import models
 from pipeline.engines.hardware import detect
 from pipeline.training.config import TrainConfig
 from pipeline.training.trainer import (
@@ -116,6 +117,7 @@ def main() -> int:
             state["after"] = score_heldout(config, args.run_dir / CHECKPOINT_DIR, args.heldout)
             state["after_steps"] = steps_done(args.run_dir)
             save()
+            record_heldout(args.run_dir, state["after"])
             print(f"after: {mean(scores(state['after'], 'raw')):.3f} held-out (greedy, raw)")
     write_report(output, args.run_dir, state)
     return 0
@@ -125,7 +127,6 @@ def probe(config: TrainConfig, n_samples: int) -> dict[str, Any]:
     """The untrained model's pass rate at the rollout temperature, one chain per sample."""
     import asyncio
 
-    from pipeline.engines import models
     from pipeline.engines.factory import open_engine
     from pipeline.training.rollout import PromptSplicer
     from pipeline.training.trainer import _roll_out_samples, _tokenizer, rollout_engine_spec
@@ -187,6 +188,13 @@ def bootstrap_interval(
     n = len(differences)
     means = sorted(sum(rng.choice(differences) for _ in range(n)) / n for _ in range(rounds))
     return means[int(0.025 * rounds)], means[int(0.975 * rounds) - 1]
+
+
+def record_heldout(run_dir: Path, scored: list[dict[str, Any]]) -> None:
+    """The run's held-out figures, which `memstream models list` shows beside the run."""
+    figures = {kind: mean(scores(scored, kind)) for kind in ("raw", "strict")}
+    payload = {**figures, "n": len(scored)}
+    (run_dir / models.RUN_HELDOUT_FILE).write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def write_report(output: Path, run_dir: Path, state: dict[str, Any]) -> None:

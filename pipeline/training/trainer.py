@@ -43,7 +43,7 @@ from pipeline.training.learner import Conversation, Learner, append_metrics
 from pipeline.training.rollout import ChainRollout, PromptSplicer, reward_of, roll_out_group
 from pipeline.training.tasks import FactSample, generate_samples, read_jsonl
 
-CHECKPOINT_DIR = "checkpoint"
+CHECKPOINT_DIR = models.RUN_WEIGHTS_DIR
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "train.json"
 ROLLOUTS_DIR = "rollouts"  # step-<k>.jsonl: every chain of step k, its ids, reward and answer
