@@ -13,8 +13,6 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.training.learner import ADAPTER_DIR, Conversation, Learner, LearnerConfig
 
-pytest.importorskip("peft")
-
 PROMPT = "Remember this for later: the access code of the blue door is 4417."
 REPLY = " The code is 4417."
 
