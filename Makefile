@@ -46,3 +46,4 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/hadolint infra/docker/Dockerfile.cpu infra/docker/Dockerfile.gpu

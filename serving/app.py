@@ -13,6 +13,7 @@ own, and own what is per request: progress, events, cancellation and checkpoints
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import uuid
@@ -115,3 +116,20 @@ def build_application(config: ServingConfig, keys: ApiKeys) -> Any:
         keys=keys,
     )
     return api_deployment.bind(settings, engine_deployment.bind(config.engine))
+
+
+def app_builder(args: dict[str, str]) -> Any:
+    """The application for a Serve config file (KubeRay's RayService `serveConfigV2`):
+    `import_path: serving.app:app_builder` with `args: {config: /path/to/serving.yaml}`. API
+    keys come from the config's `auth.api_keys_env` (a Kubernetes secret in infra/k8s)."""
+    from pathlib import Path
+
+    from pipeline.engines import models
+    from serving.cli import api_keys_of
+    from serving.config import load_config
+
+    config = load_config(Path(args["config"]) if args.get("config") else None)
+    config = dataclasses.replace(config, engine=config.engine.resolved())
+    keys = api_keys_of(config)
+    models.resolve(config.engine.model)
+    return build_application(config, keys)
