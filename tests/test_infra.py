@@ -5,6 +5,7 @@ they embed against the project's own config models; the Airflow DAG file loads."
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 from pathlib import Path
 
@@ -146,3 +147,26 @@ def test_the_rayservice_serving_file_is_a_serving_config() -> None:
 def test_the_cluster_launcher_file_parses() -> None:
     launcher = yaml.safe_load((K8S / "cluster-launcher.yaml").read_text())
     assert launcher["head_node_type"] in launcher["available_node_types"]
+
+
+def test_the_rayservice_import_path_builds_the_app_and_refuses_to_without_keys(
+    tmp_path: Path, test_model_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ray.serve import Application
+
+    from serving.config import ConfigError
+
+    (service,) = [d for d in documents("rayservice.yaml") if d["kind"] == "RayService"]
+    (application,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    module, _, name = application["import_path"].partition(":")
+    builder = getattr(importlib.import_module(module), name)
+    serving = embedded("rayservice.yaml", "serving.yaml")
+    serving["engine"]["model"] = test_model_path  # the manifest's model is not pulled here
+    config_file = tmp_path / "serving.yaml"
+    config_file.write_text(yaml.safe_dump(serving))
+    env = serving.get("auth", {}).get("api_keys_env", "MEMSTREAM_API_KEYS")
+    monkeypatch.delenv(env, raising=False)
+    with pytest.raises(ConfigError, match="refusing to start without API keys"):
+        builder({**application["args"], "config": str(config_file)})
+    monkeypatch.setenv(env, "k" * 24)
+    assert isinstance(builder({**application["args"], "config": str(config_file)}), Application)
