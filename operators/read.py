@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from connectors.base import Source, SourceError
 from operators.parsing import ParseError, parse_document
+from operators.parsing.base import check_char_limit
 from operators.run import RunContext
 from pipeline.core.document import Document, documents_of, documents_table
 
@@ -43,13 +44,14 @@ class ReadParseStage:
                 stage = "parse"
                 if not document.text.strip():
                     raise ParseError("empty document")
+                check_char_limit(len(document.text), self.run.limits.max_chars)
                 parsed = replace(document, parser="inline")
             else:
                 data = document.data
                 if data is None:
                     data = self.sources[document.source_index].read_bytes(document)
                 stage = "parse"
-                text = parse_document(data, document.name)
+                text = parse_document(data, document.name, limits=self.run.limits)
                 parsed = replace(
                     document,
                     data=None,
