@@ -29,8 +29,8 @@ from pipeline.config import DocumentLimits, MethodConfig
 from pipeline.core.document import documents_table
 from pipeline.engines.factory import EngineSpec
 from serving.answering import DocumentPreparer
-from serving.documents import DocumentLoader, DocumentRequest, InputError
 from serving.config import UriConfig
+from serving.documents import DocumentLoader, DocumentRequest, InputError
 from serving.uris import DocumentFetcher, UriPolicy
 from tests.fake_engine import FactEngine, WordTokenizer
 
