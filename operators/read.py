@@ -16,6 +16,7 @@ from operators.parsing import ParseError, parse_document
 from operators.parsing.base import check_char_limit
 from operators.run import RunContext
 from pipeline.core.document import Document, documents_of, documents_table
+from pipeline.core.injection import instruction_warning
 
 logger = logging.getLogger(__name__)
 
@@ -72,5 +73,8 @@ class ReadParseStage:
             message = str(error) or type(error).__name__
             self.run.record_error(document, stage, type(error).__name__, message)
             return None
+        warning = instruction_warning(parsed.text or "")
+        if warning is not None:
+            parsed = replace(parsed, warnings=(*parsed.warnings, warning))
         text_bytes = (parsed.text or "").encode()
         return replace(parsed, content_sha256=hashlib.sha256(text_bytes).hexdigest())

@@ -9,6 +9,7 @@ holds, through the project's parsers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import posixpath
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from starlette.requests import Request
 
 from operators.parsing import ParsedText, ParseError, parse_document
 from pipeline.config import DocumentLimits
+from pipeline.core.injection import instruction_warning
 from serving.config import LimitsConfig
 from serving.schemas import AnswerRequest
 from serving.uris import DocumentFetcher, FetchError, UriPolicy, UriRefused, redact_uri
@@ -188,6 +190,9 @@ class DocumentLoader:
             # Over a limit: 413, as for too many bytes; anything else cannot be read: 422.
             status = 413 if error.reason.startswith("too large") else 422
             raise InputError(status, f"cannot read {name}: {error.reason}") from None
+        warning = instruction_warning(parsed.text)
+        if warning is not None:
+            parsed = dataclasses.replace(parsed, warnings=(*parsed.warnings, warning))
         return LoadedDocument(name, parsed, len(data or b""))
 
 
