@@ -201,3 +201,20 @@ def test_the_serve_path_refuses_the_same_inputs_with_their_reasons(
         asyncio.run(load_and_prepare())
     assert refused.value.status == status
     assert outcome in refused.value.message
+
+
+def test_limits_are_read_from_the_job_spec_and_the_serving_config() -> None:
+    from pipeline.job import JobError, JobSpec
+    from serving.config import config_from_mapping
+
+    base = {"sources": ["./docs"], "output": {"uri": "./out"}, "questions": ["Who?"]}
+    spec = JobSpec.from_dict({**base, "limits": {"max_pdf_pages": 50}})
+    assert spec.limits == DocumentLimits(max_pdf_pages=50)
+    assert JobSpec.from_dict(base).limits == DocumentLimits()
+    with pytest.raises(JobError, match=r"limits\.max_chars: Input should be greater than 0"):
+        JobSpec.from_dict({**base, "limits": {"max_chars": 0}})
+    with pytest.raises(JobError, match=r"unknown key 'max_pages' in limits"):
+        JobSpec.from_dict({**base, "limits": {"max_pages": 3}})
+    served = config_from_mapping({"limits": {"document": {"max_tokens": 1000}}})
+    assert served.limits.document.max_tokens == 1000
+    assert served.limits.document.max_chars == DocumentLimits().max_chars
