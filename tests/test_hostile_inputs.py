@@ -70,7 +70,7 @@ def hostile_files() -> dict[str, tuple[bytes, str]]:
         "binary.txt": (bytes(range(256)) * 64, "not a text file (binary content)"),
         "invalid-utf8.txt": (b"caf\xe9 \xff\xfe fact-amber \xc3(\n" * 10, "answered"),
         "one-long-line.txt": (b"x" * (LIMITS.max_chars + 1), "too large: over the limit of"),
-        "many-tokens.txt": (b"word " * (LIMITS.max_tokens + 1), "too large: 5,001 tokens"),
+        "many-tokens.txt": (b"word " * (LIMITS.max_tokens + 1), "tokens, over the limit of 5,000"),
         "bomb.log.gz": (gzip.compress(b"A" * (8 << 20)), "too large: gzip content over"),
         "many-pages.pdf": (pdf_with_pages(LIMITS.max_pdf_pages + 5), "too large: 25 pages"),
         "nested.html": (
