@@ -13,8 +13,10 @@ import pyarrow as pa
 
 from connectors.base import Source, SourceError
 from operators.parsing import ParseError, parse_document
+from operators.parsing.base import check_char_limit
 from operators.run import RunContext
 from pipeline.core.document import Document, documents_of, documents_table
+from pipeline.core.injection import instruction_warning
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +45,14 @@ class ReadParseStage:
                 stage = "parse"
                 if not document.text.strip():
                     raise ParseError("empty document")
+                check_char_limit(len(document.text), self.run.limits.max_chars)
                 parsed = replace(document, parser="inline")
             else:
                 data = document.data
                 if data is None:
                     data = self.sources[document.source_index].read_bytes(document)
                 stage = "parse"
-                text = parse_document(data, document.name)
+                text = parse_document(data, document.name, limits=self.run.limits)
                 parsed = replace(
                     document,
                     data=None,
@@ -70,5 +73,8 @@ class ReadParseStage:
             message = str(error) or type(error).__name__
             self.run.record_error(document, stage, type(error).__name__, message)
             return None
+        warning = instruction_warning(parsed.text or "")
+        if warning is not None:
+            parsed = replace(parsed, warnings=(*parsed.warnings, warning))
         text_bytes = (parsed.text or "").encode()
         return replace(parsed, content_sha256=hashlib.sha256(text_bytes).hexdigest())

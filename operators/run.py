@@ -6,10 +6,10 @@ import functools
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connectors.state.store import ErrorRecord, StateStore
-from pipeline.config import MethodConfig
+from pipeline.config import DocumentLimits, MethodConfig
 from pipeline.core.document import Document
 from pipeline.engines.factory import EngineSpec
 
@@ -30,6 +30,7 @@ class RunContext:
     engine: EngineSpec  # resolved: its dtype is concrete, and part of every chain's key
     method: MethodConfig
     questions: tuple[Question, ...]  # asked of every document
+    limits: DocumentLimits = field(default_factory=DocumentLimits)  # over one: an errors row
 
     def chain_key(self, content_sha256: str, question: str) -> str:
         identity = {

@@ -58,6 +58,14 @@ class SegmentStage:
             )
             return None
         store = open_store(self.run.store_url)
+        original = store.document_with_content(
+            self.run.run_id, self.run.attempt, document.content_sha256 or "", document.uri
+        )
+        if original is not None:
+            # Same text, same chains: this copy's answers rows share the original's chains,
+            # which run once, for the original.
+            note = f"duplicate of {original}: same content, answered once"
+            document = replace(document, warnings=(*document.warnings, note))
         chains = [
             PlannedChain(
                 self.run.chain_key(document.content_sha256 or "", question.text),
@@ -69,13 +77,22 @@ class SegmentStage:
         statuses = store.chain_statuses([chain.chain_key for chain in chains])
         segments = None
         n_tokens = None
-        if any(statuses.get(chain.chain_key) != DONE for chain in chains):
+        if original is None and any(statuses.get(chain.chain_key) != DONE for chain in chains):
             tokenizer = cached_tokenizer(self.run.engine)
             tokenized = tokenize(document.doc_id, document.text or "", tokenizer)
+            max_tokens = self.run.limits.max_tokens
+            if tokenized.n_tokens > max_tokens:
+                message = (
+                    f"too large: {tokenized.n_tokens:,} tokens, over the limit of {max_tokens:,}"
+                )
+                self.run.record_error(document, "segment", "TooLarge", message)
+                return None
             segments = tuple(segment(tokenized, tokenizer, self.run.method.segmentation()))
             n_tokens = tokenized.n_tokens
         planned = replace(document, text=None, n_tokens=n_tokens, segments=segments)
         statuses = store.plan_document(self._record(planned), chains)
+        if original is not None:
+            return None  # planned (its answers rows), not run
         return replace(
             planned,
             chains=tuple(replace(chain, status=statuses.get(chain.chain_key)) for chain in chains),

@@ -7,9 +7,9 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar, get_args, get_type_hints
+from typing import Annotated, Any, TypeVar, get_args, get_type_hints
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
 from pipeline.core.chain import (
     REFERENCE_MAX_ANSWER_TOKENS,
@@ -67,6 +67,47 @@ class MethodConfig:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class DocumentLimits:
+    """How big one untrusted document may be. A document over a limit is refused with the
+    limit's name in its reason (an errors row in a job, 413 from the endpoint), checked before
+    the allocation it would cause where the format allows: decompression stops at the cap, a
+    PDF's pages are counted before any text is extracted, a text file's bytes are compared with
+    the character limit before they are decoded."""
+
+    max_chars: Annotated[
+        int,
+        Field(
+            gt=0,
+            description="characters of parsed text; about 4 characters a token, the default "
+            "holds a 16M-token document",
+        ),
+    ] = 64_000_000
+    max_tokens: Annotated[
+        int,
+        Field(gt=0, description="tokens of the parsed text, counted by the model's tokenizer"),
+    ] = 16_000_000
+    max_pdf_pages: Annotated[
+        int, Field(gt=0, description="pages of a PDF, counted before its text is extracted")
+    ] = 10_000
+    max_expanded_bytes: Annotated[
+        int,
+        Field(
+            gt=0,
+            description="bytes of a .gz/.bz2/.xz document once decompressed, and of a DOCX "
+            "package's parts (zip bombs)",
+        ),
+    ] = 256 * MIB
+
+    def __post_init__(self) -> None:
+        for name in ("max_chars", "max_tokens", "max_pdf_pages", "max_expanded_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
 
 
 def default_template(model: str) -> str:

@@ -45,6 +45,7 @@ from operators.segment import SegmentStage
 from pipeline.config import (
     STRICT_KEYS,
     ConfigError,
+    DocumentLimits,
     MethodConfig,
     check_context_fit,
     parse_config,
@@ -121,6 +122,7 @@ class JobSpec:
     schema: dict[str, str] = field(default_factory=dict)  # field name -> question (id = field)
     engine: EngineSpec = field(default_factory=EngineSpec)
     method: MethodConfig = field(default_factory=MethodConfig)
+    limits: DocumentLimits = field(default_factory=DocumentLimits)  # of one document
     state_store: str | None = None  # SQLAlchemy URL; default: SQLite beside the output
     run_id: str | None = None  # default: derived from the spec, so a rerun resumes
     concurrency: ConcurrencySpec = field(default_factory=ConcurrencySpec)
@@ -486,6 +488,7 @@ def run_job(
         engine=plan.spec.engine,
         method=plan.spec.method,
         questions=plan.questions,
+        limits=plan.spec.limits,
     )
     started_ray = _ensure_ray(spec.ray_address)
     tally = _Tally()

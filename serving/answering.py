@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.ask import DocumentInput, PreparedDocument, prepare
-from pipeline.config import ConfigError, MethodConfig, check_context_fit
+from pipeline.config import ConfigError, DocumentLimits, MethodConfig, check_context_fit
 from pipeline.engines.base import Engine
 from pipeline.runner import ChainResult, ChainRunner, StepCallback
 from serving.documents import InputError, LoadedDocument
@@ -25,9 +25,12 @@ class DocumentPreparer:
     """Tokenizes and segments off the event loop, one document at a time: a Hugging Face fast
     tokenizer is not safe to call from several threads at once."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, max_tokens: int = DocumentLimits().max_tokens
+    ) -> None:
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
+        self._max_tokens = max_tokens
         self._lock = threading.Lock()
 
     async def prepare(
@@ -53,9 +56,15 @@ class DocumentPreparer:
                 check_context_fit(method, questions, self._tokenizer, self._max_model_len)
             except ConfigError as error:
                 raise InputError(422, str(error)) from None
-            return prepare(
+            prepared = prepare(
                 DocumentInput(doc_id, text, page_starts), questions, self._tokenizer, method
             )
+        if prepared.n_tokens > self._max_tokens:
+            raise InputError(
+                413,
+                f"too large: {prepared.n_tokens:,} tokens, over the limit of {self._max_tokens:,}",
+            )
+        return prepared
 
 
 def document_info(loaded: LoadedDocument, prepared: PreparedDocument) -> DocumentInfo:

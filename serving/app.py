@@ -60,8 +60,12 @@ class ApiServer:
         replica = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         metrics = ServingMetrics(replica, self.store.count_jobs_by_status)
         policy = UriPolicy(settings.uris)
-        loader = DocumentLoader(DocumentFetcher(policy, settings.limits.max_input_bytes))
-        preparer = DocumentPreparer(tokenizer, settings.engine.resolved_max_model_len)
+        loader = DocumentLoader(
+            DocumentFetcher(policy, settings.limits.max_input_bytes), settings.limits.document
+        )
+        preparer = DocumentPreparer(
+            tokenizer, settings.engine.resolved_max_model_len, settings.limits.document.max_tokens
+        )
         engine = ServeEngineClient(engine_handle, settings.engine.model)
         self.worker = JobWorker(self.store, loader, preparer, engine, settings.jobs, metrics)
         self.services = ApiServices(

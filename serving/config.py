@@ -21,6 +21,7 @@ import yaml
 from pipeline.config import (
     STRICT_KEYS,
     ConfigError,
+    DocumentLimits,
     MethodConfig,
     parse_config,
     with_default_template,
@@ -131,6 +132,8 @@ class LimitsConfig:
     max_input_bytes: int = 8 * MIB  # of one document: uploaded, inline or fetched
     max_questions: int = 16
     max_question_chars: int = 2000
+    # Of the parsed document (characters, tokens, PDF pages, decompressed bytes): over one, 413.
+    document: DocumentLimits = field(default_factory=DocumentLimits)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_input_bytes", "max_questions", "max_question_chars"):

@@ -9,6 +9,7 @@ holds, through the project's parsers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import posixpath
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from operators.parsing import ParsedText, ParseError, parse_document
+from pipeline.config import DocumentLimits
+from pipeline.core.injection import instruction_warning
 from serving.config import LimitsConfig
 from serving.schemas import AnswerRequest
 from serving.uris import DocumentFetcher, FetchError, UriPolicy, UriRefused, redact_uri
@@ -164,8 +167,9 @@ class RequestReader:
 
 
 class DocumentLoader:
-    def __init__(self, fetcher: DocumentFetcher) -> None:
+    def __init__(self, fetcher: DocumentFetcher, limits: DocumentLimits | None = None) -> None:
         self.fetcher = fetcher
+        self.limits = limits or DocumentLimits()
 
     async def load(self, document: DocumentRequest) -> LoadedDocument:
         name, data, mime_type = document.name, document.data, document.mime_type
@@ -179,9 +183,16 @@ class DocumentLoader:
             name = document.name or fetched.name
             data, mime_type = fetched.data, fetched.mime_type
         try:
-            parsed = await asyncio.to_thread(parse_document, data or b"", name, mime_type)
+            parsed = await asyncio.to_thread(
+                parse_document, data or b"", name, mime_type, self.limits
+            )
         except ParseError as error:
-            raise InputError(422, f"cannot read {name}: {error.reason}") from None
+            # Over a limit: 413, as for too many bytes; anything else cannot be read: 422.
+            status = 413 if error.reason.startswith("too large") else 422
+            raise InputError(status, f"cannot read {name}: {error.reason}") from None
+        warning = instruction_warning(parsed.text)
+        if warning is not None:
+            parsed = dataclasses.replace(parsed, warnings=(*parsed.warnings, warning))
         return LoadedDocument(name, parsed, len(data or b""))
 
 

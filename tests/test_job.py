@@ -837,3 +837,50 @@ def kill_processes_marked(marker: str) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)
+
+
+@pytest.mark.engine
+def test_hostile_documents_through_the_real_job(ray_session: None, tmp_path: Path) -> None:
+    """The hostile corpus of tests/test_hostile_inputs.py through `run_job` with the real
+    engine, Ray Data and the Parquet export: answers + errors = inputs, the duplicate answered
+    once, every refusal with its reason."""
+    from tests.test_hostile_inputs import LIMITS, hostile_files
+
+    folder = tmp_path / "hostile"
+    folder.mkdir()
+    expected = {name: outcome for name, (_, outcome) in hostile_files().items()}
+    for name, (content, _) in hostile_files().items():
+        (folder / name).write_bytes(content)
+    limits = {
+        "max_chars": LIMITS.max_chars,
+        "max_tokens": LIMITS.max_tokens,
+        "max_pdf_pages": LIMITS.max_pdf_pages,
+        "max_expanded_bytes": LIMITS.max_expanded_bytes,
+    }
+    # One read + segment task at a time: the copy is planned after the original, so it finds
+    # it (two tasks planning both at the same instant may both run the chain).
+    spec = job(
+        sources=[str(folder)],
+        questions=[QUESTION],
+        output=str(tmp_path / "out"),
+        limits=limits,
+        concurrency={"read_tasks": 1},
+    )
+    summary = run_job(spec)
+    answers = pd.read_parquet(summary.outputs["answers"])
+    errors = pd.read_parquet(summary.outputs["errors"])
+    assert set(answers.name) | set(errors.name) == set(expected)
+    assert not set(answers.name) & set(errors.name)
+    assert len(answers) + len(errors) == len(expected)
+    reasons = dict(zip(errors.name, errors.message, strict=True))
+    for name, outcome in expected.items():
+        if outcome not in ("answered", "duplicate"):
+            assert outcome in reasons[name], (name, reasons[name])
+    rows = answers.set_index("name")
+    assert (rows.status == "done").all()
+    copy, original = rows.loc["same-content-copy.txt"], rows.loc["original.txt"]
+    assert copy.chain_key == original.chain_key and copy.raw_response == original.raw_response
+    assert any("duplicate of" in warning for warning in copy.parse_warnings)
+    assert any("instructions to the model" in w for w in rows.loc["injection.txt"].parse_warnings)
+    trajectory = pd.read_parquet(summary.outputs["trajectory"])
+    assert not trajectory.duplicated(["chain_key", "source_uri", "step"]).any()

@@ -257,6 +257,28 @@ class StateStore:
                 )
             return _statuses(connection, [chain.chain_key for chain in planned])
 
+    def document_with_content(
+        self, run_id: str, attempt: int, content_sha256: str, source_uri: str
+    ) -> str | None:
+        """The first other document planned in this attempt of the run with the same content
+        (by URI order among them), else None. Read before the document is planned: of two
+        copies planned at once, at most one finds the other, so one of them always runs."""
+        query = (
+            select(documents.c.source_uri)
+            .where(
+                and_(
+                    documents.c.run_id == run_id,
+                    documents.c.attempt == attempt,
+                    documents.c.content_sha256 == content_sha256,
+                    documents.c.source_uri != source_uri,
+                )
+            )
+            .order_by(documents.c.source_uri)
+            .limit(1)
+        )
+        with self._read() as connection:
+            return connection.execute(query).scalar()
+
     def chain_statuses(self, chain_keys: Sequence[str]) -> dict[str, str]:
         """The status of each chain the store knows."""
         with self._read() as connection:

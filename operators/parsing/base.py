@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# Decompressed archives and DOCX packages bigger than this are refused (decompression bombs).
-MAX_EXPANDED_BYTES = 1 << 30
+# A DOCX package with more parts than this is refused (a zip of many tiny entries).
+MAX_DOCX_PARTS = 10_000
 
 PDF_MIME = "application/pdf"
 DOCX_MIME = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
@@ -54,6 +54,15 @@ def checked_text(text: str) -> str:
     if not text.strip():
         raise ParseError("empty document")
     return text
+
+
+def check_char_limit(chars: int, max_chars: int) -> None:
+    if chars > max_chars:
+        raise ParseError(f"too large: over the limit of {max_chars:,} characters")
+
+
+def size_in_mib(n_bytes: int) -> str:
+    return f"{n_bytes / (1 << 20):g} MiB"
 
 
 def describe_error(exc: Exception) -> str:

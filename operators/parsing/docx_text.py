@@ -10,11 +10,12 @@ from xml.etree import ElementTree
 
 from operators.parsing.base import (
     DOCX_MIME,
-    MAX_EXPANDED_BYTES,
+    MAX_DOCX_PARTS,
     ParsedText,
     ParseError,
     checked_text,
     normalize_newlines,
+    size_in_mib,
 )
 
 _WORD_NS = "http://schemas.openxmlformats.org/wordprocessingml/2006/main"
@@ -24,7 +25,7 @@ _EXTENDED_PROPERTIES_NS = (
 )
 
 
-def parse_docx(data: bytes) -> ParsedText:
+def parse_docx(data: bytes, max_expanded_bytes: int) -> ParsedText:
     try:
         import docx
     except ImportError as exc:
@@ -33,8 +34,16 @@ def parse_docx(data: bytes) -> ParsedText:
 
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            if sum(member.file_size for member in archive.infolist()) > MAX_EXPANDED_BYTES:
-                raise ParseError(f"DOCX content too large (over {MAX_EXPANDED_BYTES >> 20} MiB)")
+            # The sizes a zip declares bound what reading it can expand to: zipfile stops
+            # at a part's declared size (and fails its CRC) if the data would go on.
+            members = archive.infolist()
+            if len(members) > MAX_DOCX_PARTS:
+                raise ParseError(f"too large: DOCX with over {MAX_DOCX_PARTS:,} parts")
+            if sum(member.file_size for member in members) > max_expanded_bytes:
+                raise ParseError(
+                    f"too large: DOCX content over the limit of {size_in_mib(max_expanded_bytes)} "
+                    "decompressed"
+                )
             pages = _docx_recorded_page_count(archive)
         document = docx.Document(io.BytesIO(data))
         blocks = [block for block in _docx_blocks(document) if block.strip()]

@@ -18,10 +18,10 @@ from operators.parsing.base import (
     DOCX_MIME,
     HTML_MIME,
     MARKDOWN_MIME,
-    MAX_EXPANDED_BYTES,
     PDF_MIME,
     TEXT_MIME,
     ParseError,
+    size_in_mib,
 )
 
 _COMPRESSED_SUFFIXES = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz"}
@@ -91,8 +91,11 @@ def _compression_of(data: bytes) -> str | None:
     return None
 
 
-def decompress(data: bytes, file_name: str, warnings: list[str]) -> tuple[bytes, str]:
-    """Unpack one level of gzip/bzip2/xz, found by content; returns data and the inner name."""
+def decompress(
+    data: bytes, file_name: str, warnings: list[str], max_bytes: int
+) -> tuple[bytes, str]:
+    """Unpack one level of gzip/bzip2/xz, found by content; returns data and the inner name.
+    Streams: at most `max_bytes` + 1 bytes are ever expanded, so a bomb costs no more."""
     suffix = PurePosixPath(file_name).suffix
     inner_name = file_name.removesuffix(suffix) if suffix in _COMPRESSED_SUFFIXES else file_name
     compression = _compression_of(data)
@@ -102,11 +105,14 @@ def decompress(data: bytes, file_name: str, warnings: list[str]) -> tuple[bytes,
         return data, inner_name
     try:
         with _COMPRESSION_OPENERS[compression](io.BytesIO(data)) as stream:
-            expanded = stream.read(MAX_EXPANDED_BYTES + 1)
+            expanded = stream.read(max_bytes + 1)
     except (OSError, EOFError, lzma.LZMAError, zlib.error) as exc:
         raise ParseError(f"damaged {compression} file: {exc}") from exc
-    if len(expanded) > MAX_EXPANDED_BYTES:
-        raise ParseError(f"{compression} content too large (over {MAX_EXPANDED_BYTES >> 20} MiB)")
+    if len(expanded) > max_bytes:
+        raise ParseError(
+            f"too large: {compression} content over the limit of {size_in_mib(max_bytes)} "
+            "decompressed"
+        )
     return expanded, inner_name
 
 

@@ -82,9 +82,12 @@ class _PdfExtraction:
     failure: Exception | None = None  # extraction stopped early
 
 
-def parse_pdf(data: bytes) -> ParsedText:
+def parse_pdf(data: bytes, max_pages: int) -> ParsedText:
     with _pdf_warning_collector().collecting() as logged:
         reader, page_count = _open_pdf(data)
+        # Counted from the page tree, before pdfminer lays out any page.
+        if page_count > max_pages:
+            raise ParseError(f"too large: {page_count:,} pages, over the limit of {max_pages:,}")
         extraction = _extract_pdf_text_with_pdfminer(data)
     page_starts, offset, pieces = [], 0, []
     for _, page_text in sorted(extraction.page_texts.items()):

@@ -115,7 +115,9 @@ def segment(
     cuts = boundaries(doc, config)
     segments = []
     for index, (start, end) in enumerate(itertools.pairwise(cuts)):
-        char_start = doc.char_starts[start]
+        # The first segment starts at the document's start: text before the first token (a
+        # control character the tokenizer's normaliser drops) is not lost from the offsets.
+        char_start = doc.char_starts[start] if index else 0
         char_end = doc.char_starts[end] if end < doc.n_tokens else len(doc.text)
         if config.snap_window:
             text = doc.text[char_start:char_end]

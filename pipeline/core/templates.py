@@ -235,6 +235,17 @@ TEMPLATE_SETS: dict[str, TemplateSet] = {
 }
 
 
+# The line each prompt ends with, that cues the reply ("Updated memory:"). Document text holding
+# one would make a prompt look as if it ended there; `defang` escapes its colon.
+REPLY_CUES = tuple(
+    dict.fromkeys(
+        prompt.rstrip("\n").rsplit("\n", 1)[-1]
+        for templates in TEMPLATE_SETS.values()
+        for prompt in (templates.update, templates.final)
+    )
+)
+
+
 def get_template_set(name: str) -> TemplateSet:
     try:
         return TEMPLATE_SETS[name]
@@ -249,11 +260,15 @@ _CONTROL_TOKEN = re.compile(r"<\|[^<>|\s]{1,64}\|>|<\uff5c[^<>\uff5c\s]{1,64}\uf
 
 
 def defang(text: str) -> str:
-    """Escapes the template's section tags and chat control tokens in untrusted text, so a
-    document cannot close its section or forge a turn. Text without them is returned unchanged."""
+    """Escapes the template's section tags, reply cues and chat control tokens in untrusted
+    text, so a document cannot close its section, fake the prompt's end or forge a turn. Text
+    without them is returned unchanged."""
     for tag in STRUCTURE_TAGS:
         if tag in text:
             text = text.replace(tag, _escape(tag))
+    for cue in REPLY_CUES:
+        if cue in text:
+            text = text.replace(cue, cue.removesuffix(":") + "&#58;")
     return _CONTROL_TOKEN.sub(lambda match: _escape(match.group()), text)
 
 
