@@ -22,6 +22,14 @@ def pytest_configure(config: pytest.Config) -> None:
     end_session_on_sigterm()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test on the shared engine is an `engine` test, marked or not (`make test-fast` leaves
+    them out)."""
+    for item in items:
+        if "vllm_engine" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.engine)
+
+
 REPO = Path(__file__).resolve().parents[1]
 CORPORA = REPO.parent / "shared" / "corpora"
 TEST_MODEL = os.environ.get("MEMSTREAM_TEST_MODEL", "smollm2-135m-instruct")

@@ -100,6 +100,7 @@ def test_train_help_lists_the_config_s_fields() -> None:
         parser.parse_args(["train", "--output", "x", "--preset", "ppo"])
 
 
+@pytest.mark.engine
 def test_two_steps_run_and_resume_on_the_real_engine(tmp_path: Path) -> None:
     config = TrainConfig(
         output=tmp_path / "run", steps=1, samples_per_step=1, group_size=2, n_segments=2,
@@ -128,6 +129,7 @@ def test_two_steps_run_and_resume_on_the_real_engine(tmp_path: Path) -> None:
     assert (config.output / CHECKPOINT_DIR / "config.json").is_file()
 
 
+@pytest.mark.engine
 def test_a_weight_sync_brings_the_engine_to_the_learner(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """After the learner moves, the engine reloaded from its export gives the learner's
     log-probabilities (float32 both: within 1e-2 nats a token), and the engine before the
