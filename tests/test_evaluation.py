@@ -28,17 +28,19 @@ from pipeline.cli.evaluate import (
     resumed_metadata,
     run_metadata,
 )
+from pipeline.core.scoring import score, token_recall
 from pipeline.core.templates import REFERENCE
+from pipeline.corpora.cuad import (
+    ContractLabel,
+    date_spellings,
+    is_extractive,
+    load_cuad,
+    party_names,
+)
 from pipeline.engines.base import Completion, GenerationRequest
 from pipeline.engines.factory import EngineSpec
 from pipeline.evaluation import corpora as corpus_files
-from pipeline.evaluation.cuad import (
-    ContractLabel,
-    build_cuad_samples,
-    date_spellings,
-    is_extractive,
-    party_names,
-)
+from pipeline.evaluation.cuad import build_cuad_samples
 from pipeline.evaluation.direct import build_direct_prompt, chat_overhead_tokens, middle_truncate
 from pipeline.evaluation.execution import EvalMethod, EvalSettings, parse_methods
 from pipeline.evaluation.haystack import HaystackCorpus, Passage, split_passages
@@ -54,7 +56,6 @@ from pipeline.evaluation.report import (
 )
 from pipeline.evaluation.results import Prediction, summarize
 from pipeline.evaluation.samples import EvalSample, LengthSpec, count_tokens, parse_lengths
-from pipeline.evaluation.scoring import score, token_recall
 from pipeline.evaluation.suite import (
     NATIVE_LENGTH_LABEL,
     SampleGroup,
@@ -207,7 +208,7 @@ def test_niah_is_deterministic_given_a_seed(haystack, tokenizer) -> None:  # typ
 
 
 def test_cuad_labels_load_with_their_contract_texts(corpora, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    contracts = corpus_files.load_cuad(corpora)
+    contracts = load_cuad(corpora)
     assert {contract.name for contract, _ in contracts} == {"PhotronicsInc", "VitalibisInc"}
     samples = build_cuad_samples(contracts, tokenizer)
     by_id = {sample.sample_id: sample for sample in samples}

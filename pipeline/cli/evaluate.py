@@ -31,6 +31,7 @@ from pipeline.cli.flags import (
     positive_int,
 )
 from pipeline.config import MethodConfig, check_context_fit
+from pipeline.corpora.cuad import load_cuad
 from pipeline.engines.base import Engine
 from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
 from pipeline.evaluation import corpora
@@ -273,7 +274,7 @@ class SampleBuilders:
         )
 
     def cuad(self, _: LengthSpec | None) -> list[EvalSample]:
-        contracts = corpora.load_cuad(self.request.corpora)
+        contracts = load_cuad(self.request.corpora)
         return build_cuad_samples(contracts, self.tokenizer, self.request.samples)
 
 

@@ -17,13 +17,13 @@ from pipeline.config import MethodConfig
 from pipeline.core.chain import REFERENCE_MAX_ANSWER_TOKENS, REFERENCE_MAX_MEMORY_TOKENS
 from pipeline.core.evidence import find_evidence, text_segments
 from pipeline.core.extraction import extract_answer, strip_thinking
+from pipeline.core.scoring import score
 from pipeline.core.segmentation import REFERENCE_CHUNK_SIZE
 from pipeline.core.templates import get_template_set
 from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
 from pipeline.evaluation.direct import build_direct_prompt, chat_overhead_tokens
 from pipeline.evaluation.results import Prediction
 from pipeline.evaluation.samples import EvalSample
-from pipeline.evaluation.scoring import score
 from pipeline.runner import ChainResult, ChainRunner
 
 DIRECT = "direct"

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.evaluation.scoring import METRICS
+from pipeline.core.scoring import METRICS
 
 
 @dataclass

@@ -5,11 +5,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-# "any": the answers are alternatives for one answer (HotpotQA, most CUAD labels).
-# "all": every answer must be given (NIAH multi-value, the parties of a contract).
-AnswerMode = Literal["any", "all"]
+from pipeline.core.scoring import AnswerMode
 
 KIBI = 1024
 _LENGTH = re.compile(r"(\d+(?:\.\d+)?)([km]?)")

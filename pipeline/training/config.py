@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.config import default_template
 from pipeline.core.chain import ChainConfig
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from pipeline.training.learner import LearnerConfig
 
 PresetName = Literal["memagent", "dapo"]
+TaskName = Literal["keep-the-fact", "cuad"]
 
 
 class TrainConfig(BaseModel):
@@ -34,7 +35,14 @@ class TrainConfig(BaseModel):
     answers: Path | None = Field(
         None,
         description="JSON Lines of {document, question, answers}: train on your own archive. "
-        "Default: the synthetic keep-the-fact task (pipeline.training.tasks).",
+        "Default: the task `--task` names.",
+    )
+    task: TaskName = Field(
+        "keep-the-fact",
+        description="Training task without --answers: keep-the-fact (an access code among "
+        "distractors in novel prose, pipeline.training.tasks) or cuad (the labelled fields of "
+        "the shared CUAD contracts, rewarded as the evaluation scores them: every party named; "
+        "pipeline.training.contract_fields).",
     )
     preset: PresetName = Field("memagent", description="Algorithm preset: memagent or dapo.")
     steps: int = Field(20, ge=1, description="Rollout batches to train on (the run's total).")
@@ -67,6 +75,12 @@ class TrainConfig(BaseModel):
     max_model_len: int = Field(2048, ge=256, description="Rollout engine context, tokens.")
     kv_cache_gib: int = Field(1, ge=1, description="Rollout engine KV cache on CPU, GiB.")
     resume: bool = Field(False, description="Continue the run in `output` from its checkpoint.")
+
+    @model_validator(mode="after")
+    def _one_source_of_samples(self) -> TrainConfig:
+        if self.answers is not None and self.task != "keep-the-fact":
+            raise ValueError("--answers and --task cuad both name the samples: pass one")
+        return self
 
     def algorithm(self) -> TrainingAlgorithmConfig:
         from pipeline.training.algorithm import TrainingAlgorithmConfig

@@ -22,12 +22,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeline.core.chain import ChainConfig, MemoryChain, StepKind, StepRequest
-from pipeline.core.extraction import (
-    extract_answer,
-    normalize_answer,
-    string_match_any,
-    sub_exact_match,
-)
+from pipeline.core.extraction import extract_answer
+from pipeline.core.scoring import AnswerMode, score
 from pipeline.core.segmentation import Segment
 from pipeline.core.templates import defang
 from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
@@ -50,15 +46,22 @@ class ChainRollout:
     memory_hit_budget: tuple[bool, ...]  # each update that stopped at the memory budget
 
 
-def reward_of(response: str, answers: Sequence[str], *, raw_match: bool = False) -> float:
-    """1.0 when the extracted answer matches a gold answer after normalisation (sub_em, best
-    over the golds), else 0.0. `raw_match` also counts a gold found anywhere in the response,
+def reward_of(
+    response: str,
+    answers: Sequence[str],
+    *,
+    raw_match: bool = False,
+    answer_mode: AnswerMode = "any",
+) -> float:
+    """1.0 when the extracted answer is right as the evaluation scores it
+    (pipeline.core.scoring): for `answer_mode` "any" it matches a gold answer after
+    normalisation (sub_em, best over the golds), for "all" it names every gold (the parties of
+    a contract); else 0.0. `raw_match` also counts the golds found anywhere in the response,
     for models that seldom say "the answer is"."""
-    answer = extract_answer(response)
-    answered = answer is not None and bool(normalize_answer(answer))
-    if answered and any(sub_exact_match(answer or "", gold) for gold in answers):
-        return 1.0
-    if raw_match and string_match_any(response, list(answers)):
+    if not answers:
+        return 0.0
+    scores = score(answers, answer_mode, extract_answer(response), response)
+    if scores["accuracy"] == 1.0 or (raw_match and scores["raw_match"] == 1.0):
         return 1.0
     return 0.0
 
@@ -165,6 +168,7 @@ async def roll_out_group(
     first_index: int,
     question: str,
     answers: Sequence[str],
+    answer_mode: AnswerMode = "any",
     segments: Sequence[Segment],
     config: ChainConfig,
     sampling: SamplingConfig,
@@ -185,7 +189,7 @@ async def roll_out_group(
             conversations=tuple(conversations),
             response=response,
             answer=extract_answer(response),
-            reward=reward_of(response, answers, raw_match=raw_match),
+            reward=reward_of(response, answers, raw_match=raw_match, answer_mode=answer_mode),
             memory_hit_budget=tuple(hit_budget),
         )
 

@@ -22,12 +22,14 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
+
+from pipeline.core.scoring import AnswerMode
+from pipeline.corpora import DEFAULT_CORPORA
 
 Split = Literal["train", "heldout"]
 SPLITS: tuple[Split, ...] = ("train", "heldout")
 
-DEFAULT_CORPORA = Path(__file__).resolve().parents[2].parent / "shared" / "corpora"
 PROSE_FILES = (
     "text/gutenberg-1342-pride-and-prejudice.txt",
     "text/gutenberg-1661-adventures-of-sherlock-holmes.txt",
@@ -95,6 +97,9 @@ class FactSample:
     question: str
     answers: list[str]
     needle_depth: float | None  # share of the document's characters before the needle
+    # The one code is the answer: a class constant, not a field (the JSON Lines rows keep their
+    # columns). pipeline.training.contract_fields' samples carry theirs.
+    answer_mode: ClassVar[AnswerMode] = "any"
 
 
 @dataclass(frozen=True)

@@ -39,14 +39,17 @@ from pipeline.training.algorithm import (
     overlong_penalty,
 )
 from pipeline.training.config import TrainConfig
+from pipeline.training.contract_fields import FieldSample, generate_field_samples
 from pipeline.training.learner import Conversation, Learner, append_metrics
 from pipeline.training.rollout import ChainRollout, PromptSplicer, reward_of, roll_out_group
-from pipeline.training.tasks import FactSample, generate_samples, read_jsonl
+from pipeline.training.tasks import FactSample, Split, generate_samples, read_jsonl
 
 CHECKPOINT_DIR = models.RUN_WEIGHTS_DIR
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "train.json"
 ROLLOUTS_DIR = "rollouts"  # step-<k>.jsonl: every chain of step k, its ids, reward and answer
+
+TrainingSample = FactSample | FieldSample
 
 
 @dataclass(frozen=True)
@@ -109,14 +112,15 @@ def run_training(
 
 class SampleSource:
     """The samples of draw d of step s: the same whenever the step runs (a resumed run draws
-    what the interrupted one would have)."""
+    what the interrupted one would have). From the answers file when there is one, else from
+    the config's task."""
 
     def __init__(self, config: TrainConfig, tokenizer: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.answers = read_jsonl(config.answers) if config.answers else None
 
-    def draw(self, step: int, draw: int) -> list[FactSample]:
+    def draw(self, step: int, draw: int) -> list[TrainingSample]:
         config = self.config
         per_step = config.samples_per_step * config.algorithm().max_draws
         first = (step - 1) * per_step + draw * config.samples_per_step
@@ -125,16 +129,36 @@ class SampleSource:
                 self.answers[(first + i) % len(self.answers)]
                 for i in range(config.samples_per_step)
             ]
-        return generate_samples(
-            config.samples_per_step,
-            seed=config.seed,
-            split="train",
+        return task_samples(
+            config, self.tokenizer, config.samples_per_step, split="train", first=first
+        )
+
+
+def task_samples(
+    config: TrainConfig,
+    tokenizer: Any,
+    n: int,
+    *,
+    split: Split,
+    seed: int | None = None,
+    first: int = 0,
+) -> list[TrainingSample]:
+    """Samples `first` to `first + n - 1` of the config's task, on `split`; the keep-the-fact
+    task draws with `seed` (the config's by default)."""
+    if config.task == "cuad":
+        return list(generate_field_samples(n, split=split, first=first))
+    return list(
+        generate_samples(
+            n,
+            seed=config.seed if seed is None else seed,
+            split=split,
             n_segments=config.n_segments,
             segment_tokens=config.segment_tokens,
             n_distractors=config.n_distractors,
-            count_tokens=lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)),
+            count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
             first=first,
         )
+    )
 
 
 async def _roll_out(
@@ -182,7 +206,7 @@ async def _roll_out_samples(
     engine: Engine,
     splicer: PromptSplicer,
     config: TrainConfig,
-    samples: Sequence[FactSample],
+    samples: Sequence[TrainingSample],
     tokenizer: Any,
     step: int,
     draw: int,
@@ -204,6 +228,7 @@ async def _roll_out_samples(
             roll_out_group(
                 engine, splicer, group=index, first_index=index * config.group_size,
                 question=sample.question, answers=sample.answers,
+                answer_mode=sample.answer_mode,
                 segments=segment(tokenized, tokenizer, segmentation), config=chain_config,
                 sampling=sampling, group_size=config.group_size, raw_match=config.raw_match,
             )
@@ -324,19 +349,11 @@ def score_heldout(
 ) -> list[dict[str, Any]]:
     """The model in `weights` on `n_samples` held-out samples, greedy: each sample's answer and
     its scores by the answer format (`strict`) and anywhere in the reply (`raw`): the
-    before/after measure of a run. Held-out samples share neither text nor keys with the
-    training split."""
+    before/after measure of a run. Held-out samples share no text with the training split
+    (keep-the-fact: nor keys; cuad: other contracts, pipeline.training.contract_fields)."""
     base = models.resolve(config.model)
     tokenizer = _tokenizer(base)
-    samples = generate_samples(
-        n_samples,
-        seed=seed,
-        split="heldout",
-        n_segments=config.n_segments,
-        segment_tokens=config.segment_tokens,
-        n_distractors=config.n_distractors,
-        count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-    )
+    samples = task_samples(config, tokenizer, n_samples, split="heldout", seed=seed)
     one_chain = config.model_copy(update={"group_size": 1})
 
     async def roll_out() -> list[list[ChainRollout]]:
@@ -351,14 +368,17 @@ def score_heldout(
 
     scored = []
     for sample, (rollout,) in zip(samples, asyncio.run(roll_out()), strict=True):
+        mode = sample.answer_mode
         scored.append(
             {
                 "sample_id": sample.sample_id,
                 "answers": sample.answers,
                 "answer": rollout.answer,
                 "response": rollout.response,
-                "strict": reward_of(rollout.response, sample.answers),
-                "raw": reward_of(rollout.response, sample.answers, raw_match=True),
+                "strict": reward_of(rollout.response, sample.answers, answer_mode=mode),
+                "raw": reward_of(
+                    rollout.response, sample.answers, raw_match=True, answer_mode=mode
+                ),
             }
         )
     return scored

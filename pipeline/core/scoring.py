@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Literal
 
 from pipeline.core.extraction import (
     exact_match,
@@ -19,7 +20,10 @@ from pipeline.core.extraction import (
     string_match_any,
     sub_exact_match,
 )
-from pipeline.evaluation.samples import AnswerMode
+
+# "any": the answers are alternatives for one answer (HotpotQA, most CUAD labels).
+# "all": every answer must be given (NIAH multi-value, the parties of a contract).
+AnswerMode = Literal["any", "all"]
 
 METRICS = (
     "accuracy",
