@@ -129,8 +129,8 @@ def app_builder(args: dict[str, str]) -> Any:
     from pathlib import Path
 
     from pipeline.engines import models
-    from serving.cli import api_keys_of
     from serving.config import load_config
+    from serving.security import api_keys_of
 
     config = load_config(Path(args["config"]) if args.get("config") else None)
     config = dataclasses.replace(config, engine=config.engine.resolved())

@@ -23,7 +23,7 @@ from pipeline.cli.flags import EXIT_USAGE
 from pipeline.config import ConfigError
 from pipeline.engines.hardware import DTYPE_HELP, DTYPES
 from serving.config import ServingConfig, load_config
-from serving.security import ApiKeys
+from serving.security import ApiKeys, api_keys_of
 
 EXIT_START_FAILED = 1
 
@@ -90,21 +90,6 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     return 0
-
-
-def api_keys_of(config: ServingConfig) -> ApiKeys:
-    keys = config.auth.keys()
-    if config.keys_required and not keys:
-        where = (
-            "auth.require_keys is set"
-            if config.server.is_loopback
-            else f"{config.server.host} is not a loopback address"
-        )
-        raise ConfigError(
-            f"refusing to start without API keys: {where}; set {config.auth.api_keys_env} "
-            "(comma-separated keys) or auth.api_keys"
-        )
-    return ApiKeys.of(keys, required=config.keys_required)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -7,6 +7,12 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pipeline.config import ConfigError
+
+if TYPE_CHECKING:
+    from serving.config import ServingConfig
 
 
 def key_digest(key: str) -> str:
@@ -46,3 +52,19 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return token.strip() or None
+
+
+def api_keys_of(config: ServingConfig) -> ApiKeys:
+    """The keys `config` accepts; refuses a server that needs keys and has none."""
+    keys = config.auth.keys()
+    if config.keys_required and not keys:
+        where = (
+            "auth.require_keys is set"
+            if config.server.is_loopback
+            else f"{config.server.host} is not a loopback address"
+        )
+        raise ConfigError(
+            f"refusing to start without API keys: {where}; set {config.auth.api_keys_env} "
+            "(comma-separated keys) or auth.api_keys"
+        )
+    return ApiKeys.of(keys, required=config.keys_required)
