@@ -54,7 +54,7 @@ from pipeline.evaluation.report import (
     render_markdown,
     write_outputs,
 )
-from pipeline.evaluation.results import Prediction, summarize
+from pipeline.evaluation.results import Configuration, ConfigurationRun, Prediction, summarize
 from pipeline.evaluation.samples import EvalSample, LengthSpec, count_tokens, parse_lengths
 from pipeline.evaluation.suite import (
     NATIVE_LENGTH_LABEL,
@@ -369,6 +369,26 @@ def test_grounding_table_compares_how_often_grounded_and_ungrounded_answers_are_
     text = render_markdown({"model": "m"}, SuiteOutcome(predictions=rows))
     # grounded: 2 of 3 right (wrong 1/3); ungrounded: 1 of 3 right (wrong 2/3): twice as often
     assert "| hotpotqa | direct | 6 | 3 | 0.67 | 0.33 | 2.0 |" in text
+
+
+def test_cost_table_divides_each_configurations_wall_time_by_its_model_calls(
+    tmp_path: Path,
+) -> None:
+    reference = Configuration("hotpotqa", "8k", "memstream:memagent-reference")
+    rows = [
+        prediction(reference.method, 1.0, n_calls=3),
+        prediction(reference.method, 0.0, n_calls=5),
+    ]
+    run = ConfigurationRun(reference, n_samples=2, seconds=40.0, machine="AMD EPYC, 2 cores")
+    outcome = SuiteOutcome(predictions=rows, runs=[run])
+    text = render_markdown({"model": "m"}, outcome)
+    # 8 calls in 40 s of wall time; 2 x 15 tokens in 40 s
+    assert (
+        "| hotpotqa | 8k | memstream:memagent-reference | 2 | 40 | 8 | 5.0 | 1 "
+        "| AMD EPYC, 2 cores |" in text
+    )
+    write_outputs(tmp_path, {"model": "m"}, outcome)
+    assert read_results(tmp_path / RESULTS_JSON)[1].runs == [run]
 
 
 def test_outputs_are_written_with_a_real_png(tmp_path: Path) -> None:

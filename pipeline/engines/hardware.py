@@ -58,6 +58,12 @@ class Hardware:
     def features(self) -> dict[str, bool]:
         return {flag: flag in self.cpu_flags for flag in FEATURES_OF_INTEREST}
 
+    def describe(self) -> str:
+        """One line for a figure's caption: which machine made it."""
+        bf16 = "native bf16" if self.native_bf16 else "no native bf16"
+        gpus = ", ".join(gpu.name for gpu in self.gpus) or "no GPU"
+        return f"{self.cpu_model}, {self.cores} cores, {bf16}, {gpus}"
+
 
 # What a job with GPU actors assumes of GPUs it cannot see from its driver: `auto` is bfloat16
 # there; older GPUs (compute capability below 8.0) need --dtype float16.

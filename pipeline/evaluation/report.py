@@ -55,7 +55,7 @@ def read_results(path: Path) -> tuple[dict[str, Any], SuiteOutcome]:
     """The inverse of `results_document`: a run's metadata, and its runs and predictions."""
     document = json.loads(path.read_text())
     runs = [
-        ConfigurationRun(Configuration(**run["configuration"]), run["n_samples"], run["seconds"])
+        ConfigurationRun(**{**run, "configuration": Configuration(**run["configuration"])})
         for run in document.pop("configurations")
     ]
     predictions = [Prediction(**prediction) for prediction in document.pop("predictions")]
@@ -81,6 +81,9 @@ def render_markdown(metadata: dict[str, Any], outcome: SuiteOutcome) -> str:
     lines += _grounding_table(predictions)
     lines += ["", "## All metrics", ""]
     lines += _metrics_table(summarize(predictions))
+    if outcome.runs:
+        lines += ["", "## Cost", ""]
+        lines += _cost_table(outcome.runs, predictions)
     for task, title in (("niah", "NIAH by variant and depth"), ("cuad", "CUAD by category")):
         rows = [p for p in predictions if p.task == task]
         if rows:
@@ -160,6 +163,35 @@ def _metrics_table(rows: Sequence[SummaryRow]) -> list[str]:
         values += [f"{row.means[metric]:.2f}" for metric, _ in METRIC_COLUMNS]
         values += [str(row.errors), f"{row.mean_seconds:.1f}"]
         lines.append("| " + " | ".join(values) + " |")
+    return lines
+
+
+def _cost_table(runs: Sequence[ConfigurationRun], predictions: Sequence[Prediction]) -> list[str]:
+    """Wall time of each configuration against the work it did. A configuration's samples run
+    at once, so a sample's own seconds overlap; the wall time over the model calls made is
+    what one more segment costs on this machine."""
+    lines = [
+        "Samples of a configuration run at once: s per model call is its wall time over its "
+        "calls (one call a segment, plus the answer).",
+        "",
+        "| task | length | method | samples | wall s | model calls | s per model call | tokens/s |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        members = [
+            p
+            for p in predictions
+            if Configuration(p.task, p.length_label, p.method) == run.configuration
+        ]
+        calls = sum(p.n_calls for p in members)
+        tokens = sum(p.prompt_tokens + p.completion_tokens for p in members)
+        per_call = f"{run.seconds / calls:.1f}" if calls else "-"
+        rate = f"{tokens / run.seconds:.0f}" if run.seconds else "-"
+        config = run.configuration
+        lines.append(
+            f"| {config.task} | {config.length_label} | {config.method} | {run.n_samples} "
+            f"| {run.seconds:,.0f} | {calls} | {per_call} | {rate} | {run.machine or '-'} |"
+        )
     return lines
 
 

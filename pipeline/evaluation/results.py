@@ -52,6 +52,7 @@ class ConfigurationRun:
     configuration: Configuration
     n_samples: int
     seconds: float
+    machine: str = ""  # Hardware.describe() of where it ran; "" in runs before it was kept
 
 
 @dataclass

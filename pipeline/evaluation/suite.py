@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.engines.base import Engine
+from pipeline.engines.hardware import detect
 from pipeline.evaluation.execution import EvalMethod, EvalSettings, ProgressHook, run_configuration
 from pipeline.evaluation.results import (
     Configuration,
@@ -130,7 +131,9 @@ async def run_suite(
             predictions = await run_configuration(
                 engine, tokenizer, samples, method, settings, progress
             )
-            run = ConfigurationRun(configuration, len(samples), clock() - configuration_started)
+            run = ConfigurationRun(
+                configuration, len(samples), clock() - configuration_started, detect().describe()
+            )
             outcome.predictions += predictions
             outcome.runs.append(run)
             if listener:
