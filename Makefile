@@ -11,13 +11,17 @@ DEMO_SCALE ?= 0.3
 # document of the scaling run). BENCH_ARGS=--quick runs small sizes; --with-serving adds the slow
 # serving benchmark. Results: bench/results/SUMMARY.md.
 BENCH_ARGS ?=
+# `make soak`: `memstream serve` with the default engine under mixed load from locust for 5
+# minutes (bench/soak.py); results in bench/results/soak.md. SOAK_ARGS go to the script (e.g.
+# --minutes 1 --openai-stub, which needs no model).
+SOAK_ARGS ?=
 # `make train`: the CPU demonstration of Multi-Conv DAPO (bench/train_demo.py); resumes a run
 # that was stopped. TRAIN_ARGS go to the script (e.g. --steps 10).
 TRAIN_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup models demo test test-fast bench lint train
+.PHONY: setup models demo test test-fast bench soak lint train
 
 setup:
 	@bash infra/setup.sh
@@ -38,6 +42,9 @@ test-fast: setup
 
 bench: setup models
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+soak: setup models
+	$(BIN)/python bench/soak.py $(SOAK_ARGS)
 
 train: setup models
 	$(BIN)/python bench/train_demo.py --resume $(TRAIN_ARGS)

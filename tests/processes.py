@@ -6,15 +6,21 @@ processes among a process's descendants, for the tests that kill one."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def engine_cores(root: psutil.Process) -> list[psutil.Process]:
@@ -109,3 +115,27 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def start_memstream_serve(
+    config: Mapping[str, Any],
+    folder: Path,
+    api_key: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 900,
+) -> tuple[ServerProcess, str, float]:
+    """`python -m serving.cli serve` with `config` (written to folder/serve.yaml; its server is
+    on loopback) and `api_key`, ready once /healthz answers: the process, its URL, start-up s."""
+    path = folder / "serve.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    environment = {**(os.environ if env is None else env), "MEMSTREAM_API_KEYS": api_key}
+    environment.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "serving.cli", "serve", "--config", str(path)]
+    server = ServerProcess(command, folder / "serve.log", env=environment, cwd=REPO)
+    url = f"http://127.0.0.1:{config['server']['port']}"
+    try:
+        startup_s = server.wait_until(http_ok(f"{url}/healthz"), "memstream serve", timeout)
+    except ServerNotReady:
+        server.stop(grace=180)
+        raise
+    return server, url, startup_s

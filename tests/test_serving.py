@@ -156,7 +156,7 @@ def test_healthz_asks_the_engine_every_time(
     store = StateStore(f"sqlite:///{tmp_path / 'jobs.db'}")
     store.migrate()
     try:
-        with TestClient(build_api(_services_over(engine, store))) as client:
+        with TestClient(build_api(fake_engine_services(engine, store))) as client:
             healthy = client.get("/healthz")
             engine.unhealthy = "the fake engine's process died"
             unhealthy = client.get("/healthz")
@@ -176,12 +176,19 @@ def test_healthz_asks_the_engine_every_time(
     assert silent.json()["reason"] == "the engine did not answer within 0.05 s"
 
 
-def _services_over(engine: FactEngine, store: StateStore) -> ApiServices:
-    """An API replica's services, with `engine` in place of the engine deployment."""
-    limits, method = LimitsConfig(), MethodConfig()
-    policy = UriPolicy(UriConfig())
-    loader = DocumentLoader(DocumentFetcher(policy, limits.max_input_bytes))
-    preparer = DocumentPreparer(WordTokenizer(), 16384)
+def fake_engine_services(
+    engine: FactEngine,
+    store: StateStore,
+    limits: LimitsConfig | None = None,
+    uris: UriConfig | None = None,
+    method: MethodConfig | None = None,
+) -> ApiServices:
+    """An API replica's services as `serving.app.ApiServer` builds them, with `engine` in
+    place of the engine deployment and the word tokenizer in place of the model's."""
+    limits, method = limits or LimitsConfig(), method or MethodConfig()
+    policy = UriPolicy(uris or UriConfig())
+    loader = DocumentLoader(DocumentFetcher(policy, limits.max_input_bytes), limits.document)
+    preparer = DocumentPreparer(WordTokenizer(), 16384, limits.document.max_tokens)
     metrics = ServingMetrics("test-replica", store.count_jobs_by_status)
     return ApiServices(
         keys=ApiKeys.of([], required=False),
