@@ -16,7 +16,12 @@ Runs 1-3 share one engine, started and warmed up before them (start-up excluded)
 prefix cache reset before each run. The job's end-to-end figure includes Ray and engine
 start-up; its steady state counts from its first model call to its last (`RunSummary.busy_s`).
 
-    .venv/bin/python bench/corpus_efficiency.py            # full size: several hours on 2 cores
+Each finished run's figures are kept in a work folder (`--work`; one per set of sizes under the
+cache by default), with run 1's requests for the ceiling. `--resume` skips the runs finished
+there, so the full size, longer than a session, is measured over several sittings; a run that
+was stopped starts again from its beginning, since half a run has no figures.
+
+    .venv/bin/python bench/corpus_efficiency.py --resume   # full size: about 4-5 hours, 2 cores
     .venv/bin/python bench/corpus_efficiency.py --quick    # small documents: 12 minutes, 2 cores
     .venv/bin/python bench/corpus_efficiency.py --documents 32 --max-tokens 100000
 """
@@ -25,35 +30,43 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import json
 import math
 import os
 import random
+import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import common
 import pipeline_overhead  # sets RAY_worker_niceness=0 and marks this run's Ray processes
 from engine_efficiency import BusyMeter
+from platformdirs import user_cache_dir
 
 from pipeline.ask import prepare
 from pipeline.cli.ask import read_documents
 from pipeline.cli.env import collect
 from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
-from pipeline.engines.base import GenerationRequest
-from pipeline.engines.hardware import resolve_dtype
+from pipeline.engines.base import GenerationRequest, SamplingConfig
+from pipeline.engines.hardware import detect, resolve_dtype
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec, RunSummary, run_job
 from pipeline.runner import ChainRunner
 
 SEED = 20240611  # the corpus: document lengths and questions
 TEMPLATE = "segment-first"
-MAX_ACTIVE_CHAINS = 256  # runner and job alike: more than the corpus has chains
+MAX_ACTIVE_CHAINS = 256
+IN_PROCESS_RUNS = (
+    "runner_longest_first",
+    "runner_source_order",
+    "ceiling",
+)  # runner and job alike: more than the corpus has chains
 KV_CACHE_GIB = 4
 QUESTIONS = (
     "What is this document about, in one sentence?",
@@ -110,8 +123,10 @@ def draw_corpus(sizes: Sizes) -> list[tuple[int, tuple[str, ...]]]:
 
 def write_corpus(folder: Path, sizes: Sizes, tokenizer: Any) -> list[CorpusDocument]:
     """The drawn documents as .txt files of real text, each with its questions beside it
-    (`<name>.questions.txt`, which the job reads). Names keep the source order when sorted."""
-    folder.mkdir()
+    (`<name>.questions.txt`, which the job reads). Names keep the source order when sorted.
+    The same sizes draw the same corpus, so a resumed measurement rewrites identical files."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
     drawn = draw_corpus(sizes)
     texts = common.documents_of_lengths(tokenizer, [length for length, _ in drawn])
     corpus = []
@@ -147,6 +162,7 @@ def figures(seconds: float, tokens: int, meter: BusyMeter | None, failed: int) -
         "mean_requests_in_flight": meter.request_seconds / seconds if meter else None,
         "failed_chains": failed,
         "load_1min_after": os.getloadavg()[0],  # other work on the machine skews every run
+        "machine": detect().describe(),  # sittings may run on different machines
     }
 
 
@@ -175,25 +191,72 @@ async def replay_at_once(engine: VLLMEngine, requests: list[GenerationRequest]) 
     return figures(seconds, tokens, meter, failed=0)
 
 
+class Sittings:
+    """The figures of the runs finished so far, kept in `<work>/runs.json` as each one ends,
+    and run 1's requests in `<work>/requests.jsonl`, which the ceiling replays."""
+
+    def __init__(self, work: Path, sizes: Sizes, model: str, *, resume: bool) -> None:
+        self.work = work
+        self._runs_path = work / "runs.json"
+        self._requests_path = work / "requests.jsonl"
+        identity = {"sizes": asdict(sizes), "model": model, "seed": SEED, "template": TEMPLATE}
+        kept = json.loads(self._runs_path.read_text()) if self._runs_path.exists() else None
+        if resume and kept and kept["identity"] == identity:
+            self.runs: dict[str, Any] = kept["runs"]
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+            self.runs = {}
+        work.mkdir(parents=True, exist_ok=True)
+        self._identity = identity
+
+    def done(self, name: str) -> bool:
+        return name in self.runs
+
+    def keep(self, name: str, figures: dict[str, Any]) -> None:
+        self.runs[name] = figures
+        temporary = self._runs_path.with_suffix(".tmp")
+        temporary.write_text(json.dumps({"identity": self._identity, "runs": self.runs}, indent=2))
+        temporary.replace(self._runs_path)
+
+    def keep_requests(self, requests: Sequence[GenerationRequest]) -> None:
+        lines = [json.dumps({"request_id": r.request_id, "prompt": r.prompt,
+                             "max_tokens": r.max_tokens, "priority": r.priority})
+                 for r in requests]  # fmt: skip
+        self._requests_path.write_text("\n".join(lines) + "\n")
+
+    def requests(self, sampling: SamplingConfig) -> list[GenerationRequest]:
+        return [GenerationRequest(sampling=sampling, **json.loads(line))
+                for line in self._requests_path.read_text().splitlines()]  # fmt: skip
+
+
 async def run_in_process(
-    config: VLLMEngineConfig, chains: Callable[[], list[MemoryChain]], method: MethodConfig
-) -> dict[str, Any]:
+    config: VLLMEngineConfig,
+    chains: Callable[[], list[MemoryChain]],
+    method: MethodConfig,
+    sittings: Sittings,
+) -> None:
+    """Runs 1-3, those not finished in an earlier sitting, on one engine."""
+    if all(sittings.done(name) for name in IN_PROCESS_RUNS):
+        return
     started = time.perf_counter()
     async with common.warm_engine(config) as engine:
         startup_s = time.perf_counter() - started
         print(f"engine ready in {startup_s:.1f} s", flush=True)
-        longest, requests = await run_runner(engine, chains(), method, longest_first=True)
-        print(f"1. runner, longest-first: {longest['seconds']:.1f} s", flush=True)
-        source, _ = await run_runner(engine, chains(), method, longest_first=False)
-        print(f"2. runner, source order: {source['seconds']:.1f} s", flush=True)
-        ceiling = await replay_at_once(engine, requests)
-        print(f"3. ceiling: {ceiling['seconds']:.1f} s", flush=True)
-    return {
-        "engine_startup_s": startup_s,
-        "runner_longest_first": longest,
-        "runner_source_order": source,
-        "ceiling": ceiling,
-    }
+        if not sittings.done("engine_startup_s"):
+            sittings.keep("engine_startup_s", startup_s)
+        if not sittings.done("runner_longest_first"):
+            longest, requests = await run_runner(engine, chains(), method, longest_first=True)
+            sittings.keep_requests(requests)
+            sittings.keep("runner_longest_first", longest)
+            print(f"1. runner, longest-first: {longest['seconds']:.1f} s", flush=True)
+        if not sittings.done("runner_source_order"):
+            source, _ = await run_runner(engine, chains(), method, longest_first=False)
+            sittings.keep("runner_source_order", source)
+            print(f"2. runner, source order: {source['seconds']:.1f} s", flush=True)
+        if not sittings.done("ceiling"):
+            ceiling = await replay_at_once(engine, sittings.requests(method.sampling()))
+            sittings.keep("ceiling", ceiling)
+            print(f"3. ceiling: {ceiling['seconds']:.1f} s", flush=True)
 
 
 # --- run 4: the Ray Data job ------------------------------------------------------------------
@@ -206,6 +269,10 @@ def run_ray_job(
     folder: Path,
     model: str,
 ) -> dict[str, Any]:
+    for stale in (folder / "output", folder / "state.sqlite"):  # a stopped attempt's
+        if stale.is_dir():
+            shutil.rmtree(stale)
+        stale.unlink(missing_ok=True)
     spec = JobSpec.from_dict({
         "sources": [str(folder / "corpus")],  # listed sorted by name: in source order
         "questions": [],  # each document's own, from its .questions.txt
@@ -231,6 +298,11 @@ def run_ray_job(
         "engine": summary.engine,
         "leftover_processes": pipeline_overhead.end_leftovers(),
     }
+
+
+def default_work_folder(sizes: Sizes, model: str) -> Path:
+    key = hashlib.sha256(json.dumps([asdict(sizes), model, SEED]).encode()).hexdigest()[:12]
+    return Path(user_cache_dir("memstream")) / "bench" / f"corpus_efficiency-{key}"
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -306,6 +378,11 @@ def report(
         notes.append("**Some chains or documents failed: the figures are not comparable.**")
     if abs(end_to_end["tokens"] - longest["tokens"]) > 0.01 * longest["tokens"]:
         notes.append("**The job and the runner processed token counts more than 1% apart.**")
+    machines = {r["machine"] for r in (longest, source, ceiling, end_to_end)}
+    if len(machines) > 1:
+        notes.append(
+            f"**The runs were made on different machines: {'; '.join(sorted(machines))}.**"
+        )
     if job["leftover_processes"]:
         notes.append(
             f"**{job['leftover_processes']} process(es) of the job's Ray session were still "
@@ -337,6 +414,10 @@ def main() -> None:
     parser.add_argument("--documents", type=int, help="how many documents to draw")
     parser.add_argument("--min-tokens", type=int, help="the shortest document length")
     parser.add_argument("--max-tokens", type=int, help="the longest document length")
+    parser.add_argument("--work", type=Path, help="where finished runs are kept (see --resume)")
+    parser.add_argument(
+        "--resume", action="store_true", help="skip the runs an earlier sitting finished"
+    )
     args = parser.parse_args()
     base = QUICK if args.quick else FULL
     sizes = Sizes(
@@ -354,20 +435,25 @@ def main() -> None:
     method = common.bench_method(args, TEMPLATE)
     config = replace(common.engine_config(args, KV_CACHE_GIB), dtype=resolve_dtype("auto"))
     tokenizer = common.load_tokenizer(config)
-    with tempfile.TemporaryDirectory(prefix="bench-corpus-") as temporary:
-        folder = Path(temporary)
-        corpus = write_corpus(folder / "corpus", sizes, tokenizer)
-        n_chains = sum(len(document.questions) for document in corpus)
-        print(f"{len(corpus)} documents, {n_chains} chains, dtype {config.dtype}", flush=True)
-        runs = asyncio.run(
-            run_in_process(config, lambda: build_chains(corpus, tokenizer, method), method)
-        )
-        job = run_ray_job(config, corpus, method, folder, args.model)
-        print(f"4. job: {job['end_to_end']['seconds']:.1f} s", flush=True)
+    work = args.work or default_work_folder(sizes, args.model)
+    sittings = Sittings(work, sizes, args.model, resume=args.resume)
+    if sittings.runs:
+        print(f"resuming in {work}: done {', '.join(sittings.runs)}", flush=True)
+    corpus = write_corpus(work / "corpus", sizes, tokenizer)
+    n_chains = sum(len(document.questions) for document in corpus)
+    print(f"{len(corpus)} documents, {n_chains} chains, dtype {config.dtype}", flush=True)
+    asyncio.run(
+        run_in_process(config, lambda: build_chains(corpus, tokenizer, method), method, sittings)
+    )
+    if not sittings.done("job"):
+        sittings.keep("job", run_ray_job(config, corpus, method, work, args.model))
+        print(f"4. job: {sittings.runs['job']['end_to_end']['seconds']:.1f} s", flush=True)
+    runs = {name: sittings.runs[name] for name in ("engine_startup_s", *IN_PROCESS_RUNS)}
+    job = sittings.runs["job"]
     markdown, ratios = report(args, corpus, n_chains, machine, runs, job)
     common.write_results(
         "corpus_efficiency",
-        {"args": vars(args), "seed": SEED, "template": TEMPLATE,
+        {"args": {**vars(args), "work": str(work)}, "seed": SEED, "template": TEMPLATE,
          "max_active_chains": MAX_ACTIVE_CHAINS, "kv_cache_gib": KV_CACHE_GIB,
          "cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "dtype": machine["dtype"],
          "versions": machine["versions"],
