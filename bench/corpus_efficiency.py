@@ -46,7 +46,6 @@ from pipeline.cli.env import collect
 from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
 from pipeline.engines.base import GenerationRequest
-from pipeline.engines.hardware import resolve_dtype
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec, RunSummary, run_job
 from pipeline.runner import ChainRunner
@@ -333,7 +332,7 @@ def report(
 
 def main() -> None:
     parser = common.bench_parser(__doc__)
-    parser.set_defaults(chunk_size=None, max_memory_tokens=None)
+    parser.set_defaults(chunk_size=None, max_memory_tokens=None, dtype="auto")
     parser.add_argument("--documents", type=int, help="how many documents to draw")
     parser.add_argument("--min-tokens", type=int, help="the shortest document length")
     parser.add_argument("--max-tokens", type=int, help="the longest document length")
@@ -352,7 +351,7 @@ def main() -> None:
         setattr(args, name, getattr(sizes, name))
     machine = collect()
     method = common.bench_method(args, TEMPLATE)
-    config = replace(common.engine_config(args, KV_CACHE_GIB), dtype=resolve_dtype("auto"))
+    config = common.engine_config(args, KV_CACHE_GIB)
     tokenizer = common.load_tokenizer(config)
     with tempfile.TemporaryDirectory(prefix="bench-corpus-") as temporary:
         folder = Path(temporary)
