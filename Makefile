@@ -54,3 +54,4 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/hadolint infra/docker/Dockerfile.cpu infra/docker/Dockerfile.gpu
+	$(BIN)/shellcheck infra/setup.sh infra/services/*.sh infra/docker/entrypoint.sh bench/gpu_check.sh

@@ -20,12 +20,15 @@ from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
 from pipeline.engines import models
 from pipeline.engines.base import GenerationRequest
+from pipeline.engines.hardware import DTYPES, resolve_dtype
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.runner import ChainResult, ChainRunner
 
 REPO = Path(__file__).resolve().parents[1]
 CORPORA = REPO.parent / "shared" / "corpora"
-RESULTS = REPO / "bench" / "results"
+# $MEMSTREAM_BENCH_RESULTS sends a run's tables elsewhere (bench/gpu_check.sh: a temporary
+# folder, so the measured CPU results stay as they are).
+RESULTS = Path(os.environ.get("MEMSTREAM_BENCH_RESULTS") or REPO / "bench" / "results")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -80,6 +83,9 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--chunk-size", type=int, default=1000)
     parser.add_argument("--max-memory-tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small sizes: a minute or two")
+    parser.add_argument(
+        "--dtype", default="float32", choices=DTYPES, help="the engine's; auto: by the hardware"
+    )
     return parser
 
 
@@ -92,7 +98,8 @@ def engine_config(args: argparse.Namespace, kv_cache_gib: int = 2) -> VLLMEngine
     """Eager mode (about 40 s start-up on a CPU), a context that fits an update step."""
     needed = args.chunk_size + 2 * args.max_memory_tokens + 512
     return VLLMEngineConfig(model=models.resolve(args.model), max_model_len=max(4096, needed),
-                            enforce_eager=True, cpu_kvcache_space_gib=kv_cache_gib)  # fmt: skip
+                            dtype=resolve_dtype(args.dtype), enforce_eager=True,
+                            cpu_kvcache_space_gib=kv_cache_gib)  # fmt: skip
 
 
 def load_tokenizer(config: VLLMEngineConfig) -> Any:

@@ -54,7 +54,7 @@ from pipeline.cli.env import collect
 from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
 from pipeline.engines.base import GenerationRequest, SamplingConfig
-from pipeline.engines.hardware import detect, resolve_dtype
+from pipeline.engines.hardware import detect
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec, RunSummary, run_job
 from pipeline.runner import ChainRunner
@@ -195,11 +195,12 @@ class Sittings:
     """The figures of the runs finished so far, kept in `<work>/runs.json` as each one ends,
     and run 1's requests in `<work>/requests.jsonl`, which the ceiling replays."""
 
-    def __init__(self, work: Path, sizes: Sizes, model: str, *, resume: bool) -> None:
+    def __init__(self, work: Path, sizes: Sizes, model: str, dtype: str, *, resume: bool) -> None:
         self.work = work
         self._runs_path = work / "runs.json"
         self._requests_path = work / "requests.jsonl"
-        identity = {"sizes": asdict(sizes), "model": model, "seed": SEED, "template": TEMPLATE}
+        identity = {"sizes": asdict(sizes), "model": model, "dtype": dtype, "seed": SEED,
+                    "template": TEMPLATE}  # fmt: skip
         kept = json.loads(self._runs_path.read_text()) if self._runs_path.exists() else None
         if resume and kept and kept["identity"] == identity:
             self.runs: dict[str, Any] = kept["runs"]
@@ -300,8 +301,8 @@ def run_ray_job(
     }
 
 
-def default_work_folder(sizes: Sizes, model: str) -> Path:
-    key = hashlib.sha256(json.dumps([asdict(sizes), model, SEED]).encode()).hexdigest()[:12]
+def default_work_folder(sizes: Sizes, model: str, dtype: str) -> Path:
+    key = hashlib.sha256(json.dumps([asdict(sizes), model, dtype, SEED]).encode()).hexdigest()[:12]
     return Path(user_cache_dir("memstream")) / "bench" / f"corpus_efficiency-{key}"
 
 
@@ -410,7 +411,7 @@ def report(
 
 def main() -> None:
     parser = common.bench_parser(__doc__)
-    parser.set_defaults(chunk_size=None, max_memory_tokens=None)
+    parser.set_defaults(chunk_size=None, max_memory_tokens=None, dtype="auto")
     parser.add_argument("--documents", type=int, help="how many documents to draw")
     parser.add_argument("--min-tokens", type=int, help="the shortest document length")
     parser.add_argument("--max-tokens", type=int, help="the longest document length")
@@ -433,10 +434,10 @@ def main() -> None:
         setattr(args, name, getattr(sizes, name))
     machine = collect()
     method = common.bench_method(args, TEMPLATE)
-    config = replace(common.engine_config(args, KV_CACHE_GIB), dtype=resolve_dtype("auto"))
+    config = common.engine_config(args, KV_CACHE_GIB)
     tokenizer = common.load_tokenizer(config)
-    work = args.work or default_work_folder(sizes, args.model)
-    sittings = Sittings(work, sizes, args.model, resume=args.resume)
+    work = args.work or default_work_folder(sizes, args.model, config.dtype)
+    sittings = Sittings(work, sizes, args.model, config.dtype, resume=args.resume)
     if sittings.runs:
         print(f"resuming in {work}: done {', '.join(sittings.runs)}", flush=True)
     corpus = write_corpus(work / "corpus", sizes, tokenizer)

@@ -60,7 +60,8 @@ def main() -> None:
     args.chunk_size = args.chunk_size or (1000 if args.quick else 5000)
     lengths = [int(n) for n in args.lengths.split(",")]
     method = common.bench_method(args)
-    rows = asyncio.run(measure(common.engine_config(args, kv_cache_gib=1), lengths, method))
+    config = common.engine_config(args, kv_cache_gib=1)
+    rows = asyncio.run(measure(config, lengths, method))
     base = rows[0]["s_per_million_tokens"]
     for row in rows:
         row["time_per_token_ratio"] = row["s_per_million_tokens"] / base
@@ -82,7 +83,8 @@ def main() -> None:
     failed = [f"**The chain of {r['tokens']} tokens failed.**" for r in rows if r["failed"]]
     markdown = "\n".join([
         f"Scaling with length, {args.model}, one chain per document read alone, chunk "
-        f"{args.chunk_size}, memory {args.max_memory_tokens} tokens, eager, one engine",
+        f"{args.chunk_size}, memory {args.max_memory_tokens} tokens, {config.dtype}, eager, "
+        "one engine",
         "",
         *common.table(header, cells),
         "",

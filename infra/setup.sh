@@ -18,6 +18,6 @@ $PIP install --upgrade pip
 $PIP install "torch==2.13.0"
 $PIP install -e ".[cpu,pdf,s3,sql,dev,train,bench]"
 # PyPI's torchvision/torchaudio are CUDA builds that break `import vllm` on the CPU; triton is unused.
-$VENV/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+"$VENV"/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 touch "$STAMP"
 echo "memstream: environment ready in $VENV"

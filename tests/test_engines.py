@@ -27,11 +27,12 @@ from pipeline.engines.base import (
     GenerationRequest,
     SamplingConfig,
 )
-from pipeline.engines.hardware import resolve_dtype
+from pipeline.engines.hardware import default_gpu_memory_utilization, resolve_dtype
 from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec
 from pipeline.runner import ChainRunner
+from tests.fact_server import JsonHandler
 from tests.processes import ServerNotReady, ServerProcess, engine_cores, free_port, http_ok
 
 pytestmark = pytest.mark.engine
@@ -168,6 +169,7 @@ def openai_server(test_model_path: str, tmp_path_factory) -> Iterator[str]:  # t
         "--model", test_model_path, "--served-model-name", "test-model",
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "2048", "--enforce-eager", "--dtype", "bfloat16",
+        "--gpu-memory-utilization", str(default_gpu_memory_utilization()),
     ]  # fmt: skip
     server = ServerProcess(command, log, env=env)
     base_url = f"http://127.0.0.1:{port}/v1"
@@ -225,21 +227,6 @@ def test_openai_adapter_reports_an_unreachable_server() -> None:
         asyncio.run(engine.check())
     with pytest.raises(EngineUnhealthy, match=r"cannot reach .* is the server running"):
         asyncio.run(engine.check_health())
-
-
-class JsonHandler(http.server.BaseHTTPRequestHandler):
-    """A real HTTP peer for the OpenAI adapter's tests: replies with JSON, logs nothing."""
-
-    def reply(self, status: int, body: bytes) -> None:
-        with contextlib.suppress(OSError):  # the client may have given up waiting
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 class ModelListServer(JsonHandler):

@@ -10,6 +10,7 @@ import pytest
 from pipeline.engines import hardware
 from pipeline.engines.factory import EngineSpec
 from pipeline.engines.hardware import Gpu, Hardware, auto_dtype, resolve_dtype
+from pipeline.engines.vllm_local import VLLMEngineConfig
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
 AVX512_NO_BF16 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512_vnni"}
@@ -63,6 +64,21 @@ def test_the_environment_overrides_auto_but_not_a_named_dtype() -> None:
         resolve_dtype("auto", machine, environ={"MEMSTREAM_DTYPE": "fp8"})
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineSpec(dtype="half")
+
+
+def test_the_gpu_share_an_engine_reserves_comes_from_the_environment_unless_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = hardware.GPU_MEMORY_ENV
+    assert hardware.default_gpu_memory_utilization({}) == 0.9
+    assert hardware.default_gpu_memory_utilization({env: "0.25"}) == 0.25
+    for bad in ("0", "1.5", "a quarter"):
+        with pytest.raises(ValueError, match=f"{env}='{bad}': must be a share"):
+            hardware.default_gpu_memory_utilization({env: bad})
+    monkeypatch.setenv(env, "0.3")
+    assert EngineSpec().gpu_memory_utilization == 0.3
+    assert VLLMEngineConfig(model="m").engine_args()["gpu_memory_utilization"] == 0.3
+    assert EngineSpec(gpu_memory_utilization=0.8).gpu_memory_utilization == 0.8
 
 
 def test_forcing_bfloat16_on_a_cpu_that_emulates_it_warns_once_with_the_cost(

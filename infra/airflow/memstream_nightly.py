@@ -5,6 +5,8 @@ One task per run: it builds the job spec from the job file named by the Airflow 
 prefix given in the DAG's params, calls the documented entry point `pipeline.job.run_job`, and
 returns the run summary, which Airflow pushes to XCom. Retries are safe: a rerun of the same
 spec resumes its run (answered chains are skipped, the others resume from their checkpoints).
+A job file that is not a valid job fails the task at once, without retries: a retry would read
+the same file.
 `max_active_runs=1`: two nightly runs never overlap, the second waits.
 """
 
@@ -16,6 +18,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from airflow.sdk import Param, Variable, dag, task
+from airflow.sdk.exceptions import AirflowFailException
 
 DEFAULT_JOB = str(Path(__file__).with_name("job.yaml"))
 
@@ -36,14 +39,18 @@ DEFAULT_JOB = str(Path(__file__).with_name("job.yaml"))
 def memstream_nightly():
     @task(execution_timeout=timedelta(hours=12))
     def run(params: dict | None = None) -> dict:
-        from pipeline.job import load_job_spec, run_job
+        from pipeline.job import JobError, load_job_spec, run_job
 
         params = params or {}
         job_file = Variable.get(
             "memstream_job", default=os.environ.get("MEMSTREAM_JOB", DEFAULT_JOB)
         )
         overrides = {"sources": [params["prefix"]], "output": {"uri": params["output"]}}
-        summary = run_job(load_job_spec(job_file, overrides))
+        try:
+            spec = load_job_spec(job_file, overrides)
+        except JobError as error:
+            raise AirflowFailException(str(error)) from None
+        summary = run_job(spec)
         result = dataclasses.asdict(summary)
         result["ok"] = summary.ok
         if not summary.ok:

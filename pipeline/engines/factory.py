@@ -8,7 +8,12 @@ from typing import Any, Literal
 
 from pipeline.engines import models
 from pipeline.engines.base import Engine
-from pipeline.engines.hardware import DTYPES, Hardware, resolve_dtype
+from pipeline.engines.hardware import (
+    DTYPES,
+    Hardware,
+    default_gpu_memory_utilization,
+    resolve_dtype,
+)
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 # Below this many document tokens to read, an engine starts in eager mode. On an AVX2-only EPYC
@@ -28,7 +33,7 @@ class EngineSpec:
     max_model_len: int | None = None  # default: the packaged model's, else 8192
     dtype: str = "auto"  # auto: by the hardware (pipeline.engines.hardware); or a vLLM dtype
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = field(default_factory=default_gpu_memory_utilization)
     cpu_kvcache_space_gib: int | None = 4
     enforce_eager: bool | None = None  # None: eager unless the work planned repays a compile
     # Anything else vLLM's AsyncEngineArgs takes (e.g. max_num_seqs, quantization), passed

