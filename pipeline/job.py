@@ -595,6 +595,15 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def _engine_line(engine: EngineSpec) -> str:
+    """What ran the model, for the summary: dtype and compile mode only where they apply (an
+    OpenAI-compatible server chooses its own)."""
+    if engine.kind == "openai":
+        return f"openai {engine.model} (an OpenAI-compatible server)"
+    mode = "eager" if engine.enforce_eager else "compiled"
+    return f"{engine.kind} {engine.model}, {engine.dtype}, {mode}"
+
+
 def _finish(
     plan: JobPlan,
     run: RunContext,
@@ -634,8 +643,7 @@ def _finish(
         busy_s=plan.store.busy_window(plan.run_id, run.attempt, started_at),
         outputs={name: table.uri for name, table in tables.items()},
         state_store=plan.store.safe_url,
-        engine=f"{spec.engine.kind} {spec.engine.model}, {spec.engine.dtype}, "
-        + ("eager" if spec.engine.enforce_eager else "compiled"),
+        engine=_engine_line(spec.engine),
     )
     manifest_uri = writer.write_manifest(_manifest(plan, summary, tables))
     summary = replace(summary, outputs={**summary.outputs, "manifest": manifest_uri})

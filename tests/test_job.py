@@ -47,7 +47,16 @@ from pipeline.cli.main import build_parser, main
 from pipeline.cli.run import spec_from_arguments
 from pipeline.core.chain import StepRecord
 from pipeline.core.document import PlannedChain
-from pipeline.job import JobError, JobSpec, derive_run_id, load_job_spec, plan_job, run_job
+from pipeline.engines.factory import EngineSpec
+from pipeline.job import (
+    JobError,
+    JobSpec,
+    _engine_line,
+    derive_run_id,
+    load_job_spec,
+    plan_job,
+    run_job,
+)
 from serving.config import config_from_mapping, load_config
 from tests.conftest import TEST_MODEL, assert_clean_terminal
 
@@ -884,3 +893,10 @@ def test_hostile_documents_through_the_real_job(ray_session: None, tmp_path: Pat
     assert any("instructions to the model" in w for w in rows.loc["injection.txt"].parse_warnings)
     trajectory = pd.read_parquet(summary.outputs["trajectory"])
     assert not trajectory.duplicated(["chain_key", "source_uri", "step"]).any()
+
+
+def test_the_summary_names_dtype_and_mode_only_for_an_engine_that_has_them() -> None:
+    local = EngineSpec(model="m", dtype="float32", enforce_eager=True)
+    assert _engine_line(local) == "vllm m, float32, eager"
+    server = EngineSpec(kind="openai", model="m", base_url="http://user:secret@127.0.0.1:1/v1")
+    assert _engine_line(server) == "openai m (an OpenAI-compatible server)"
