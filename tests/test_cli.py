@@ -249,3 +249,21 @@ def test_every_flag_is_a_setting_of_the_config_it_fills() -> None:
     assert method_config(args).chunk_size == 700
     shared = {action.dest for action in parser._actions if action.dest != "help"}
     assert shared <= set(FLAG_KEYS)  # `run` takes every shared flag, under the same name
+
+
+def test_an_unexpected_failure_ends_with_its_first_line_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeline.cli import env, main
+
+    def fails() -> None:
+        raise RuntimeError("the node timed out during startup.\nThis could happen because ...")
+
+    monkeypatch.delenv("MEMSTREAM_DEBUG", raising=False)
+    monkeypatch.setattr(env, "collect", fails)
+    assert main.main(["env"]) != 0
+    printed = capsys.readouterr()
+    assert printed.err.strip().splitlines() == [
+        "memstream: error: RuntimeError: the node timed out during startup. "
+        "(set MEMSTREAM_DEBUG=1 to see the traceback)"
+    ]

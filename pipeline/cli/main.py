@@ -40,8 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # an unexpected failure: still one line, the traceback on demand
         if os.environ.get("MEMSTREAM_DEBUG"):
             raise
+        first_line = (str(error).strip().splitlines() or [""])[0]
         return _fail(
-            f"memstream: error: {type(error).__name__}: {error} "
+            f"memstream: error: {type(error).__name__}: {first_line} "
             "(set MEMSTREAM_DEBUG=1 to see the traceback)",
             EXIT_USAGE,
         )
