@@ -11,6 +11,8 @@ Register with `pytest_plugins = ["tests.services"]` in conftest.py.
 - `postgres_url`: a throwaway cluster from infra/services/postgres.sh (which installs PostgreSQL
   from Debian when missing), as a SQLAlchemy URL with a password.
 - `sqlite_url`: a SQLite file.
+- `empty_store_url`: an empty state store database, once on SQLite and once on PostgreSQL (a
+  schema of its own on the session's cluster).
 
 A service that cannot start fails the tests that use it. Outside CI, MEMSTREAM_ALLOW_SKIP_SERVICES=1
 skips them instead; in CI it is refused, so a CI run never passes without its services.
@@ -257,6 +259,21 @@ def _stop_postgres(folder: Path) -> None:
 @pytest.fixture(scope="session")
 def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'memstream.db'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.server)])
+def empty_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state.sqlite'}"
+    url = request.getfixturevalue("postgres_url")
+    name = f"s{secrets.token_hex(5)}"
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(f"CREATE SCHEMA {name}")
+    engine.dispose()
+    return f"{url}?options=-csearch_path%3D{name}"
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -52,7 +52,8 @@ from pipeline.job import (
     JobError,
     JobSpec,
     _engine_line,
-    derive_run_id,
+    derive_archive_key,
+    derive_job_key,
     load_job_spec,
     plan_job,
     run_job,
@@ -257,20 +258,24 @@ def test_progress_off_a_terminal_is_a_line_when_it_changed_and_the_last_one_alwa
     ]
 
 
-def test_run_id_is_stable_and_follows_what_changes_the_answers() -> None:
+def test_job_key_is_stable_and_follows_what_changes_the_answers() -> None:
     spec = job(sources=["docs"], output="out", questions=[QUESTION])
     questions = (Question("q0", QUESTION),)
-    run_id = derive_run_id(spec, questions)
-    assert run_id == derive_run_id(
+    job_key = derive_job_key(spec, questions)
+    assert job_key == derive_job_key(
         job(sources=["docs"], output="out", questions=[QUESTION]), questions
     )
     more_actors = job(sources=["docs"], output="out", concurrency={"actors": 3})
-    assert derive_run_id(more_actors, questions) == run_id
+    assert derive_job_key(more_actors, questions) == job_key
     other_method = job(sources=["docs"], output="out", method={**METHOD, "chunk_size": 256})
-    assert derive_run_id(other_method, questions) != run_id
-    assert derive_run_id(spec, (Question("q0", "Other?"),)) != run_id
+    assert derive_job_key(other_method, questions) != job_key
+    assert derive_job_key(spec, (Question("q0", "Other?"),)) != job_key
     in_bf16 = job(sources=["docs"], output="out", engine={**ENGINE, "dtype": "bfloat16"})
-    assert derive_run_id(in_bf16, questions) != run_id
+    assert derive_job_key(in_bf16, questions) != job_key
+    # the archive is what a run reads and where it writes, whatever it computes
+    assert derive_archive_key(in_bf16) == derive_archive_key(other_method)
+    assert derive_archive_key(spec) != derive_archive_key(job(sources=["docs"], output="out2"))
+    assert derive_archive_key(spec) != derive_archive_key(job(sources=["docs2"], output="out"))
 
 
 def test_a_chain_key_names_its_dtype_so_a_resumed_chain_never_mixes_dtypes() -> None:
@@ -344,7 +349,7 @@ def test_sources_are_one_ray_read_and_every_input_ends_read_or_in_errors(
     ]  # fmt: skip
     store = StateStore(f"sqlite:///{tmp_path / 'state.sqlite'}")
     store.migrate()
-    attempt = store.begin_run("run-read", {})
+    attempt = store.begin_run("run-read", {}).attempt
     spec = job(sources=["x"], output=str(tmp_path / "out"))
     run = RunContext("run-read", attempt, store.url, spec.engine, spec.method, ())
     started = not ray.is_initialized()
@@ -430,7 +435,7 @@ def step(
 def test_store_checkpoints_resume_and_export_one_row_per_question(
     store: StateStore, tmp_path: Path
 ) -> None:
-    attempt = store.begin_run("run-a", {"what": "test"})
+    attempt = store.begin_run("run-a", {"what": "test"}).attempt
     assert attempt == 1
     chains = [PlannedChain("key-1", "q0", "Q1?"), PlannedChain("key-2", "q1", "Q2?")]
     assert store.plan_document(document("run-a", 1, "file:///a"), chains) == {
@@ -446,7 +451,7 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
     assert store.progress("run-a", 1) == RunProgress(2, 6, 0, 2)
 
     # a crash, then a rerun: a new attempt re-plans the same chains and keeps their progress
-    assert store.begin_run("run-a", {"what": "test"}) == 2
+    assert store.begin_run("run-a", {"what": "test"}).attempt == 2
     statuses = store.plan_document(document("run-a", 2, "file:///a"), chains)
     assert statuses == {"key-1": "running", "key-2": "pending"}
     store.record_step(step("key-1", 1, rejected=("not in the section",)))  # written twice: one row
@@ -590,9 +595,13 @@ def test_local_job_answers_every_document_or_says_why(
     manifest = json.loads(Path(summary.outputs["manifest"]).read_text())
     assert manifest["counts"]["answers_rows"] == 5 and manifest["run_id"] == summary.run_id
 
+    # the next run over the unchanged inputs: a run of its own, every answer carried forward
     rerun = run_job(job(sources=[str(local_inputs)], questions=[QUESTION], output=str(output)))
-    assert rerun.attempt == 2 and rerun.chains_skipped == 5 and rerun.prompt_tokens == 0
+    assert rerun.run_id != summary.run_id and rerun.attempt == 1
+    assert rerun.chains_skipped == 5 and rerun.prompt_tokens == 0
+    assert (rerun.changes.previous_run_id, rerun.changes.unchanged) == (summary.run_id, 4)
     again = duckdb.sql(f"SELECT * FROM '{rerun.outputs['answers']}'").df()
+    assert (again.answered_in_run == summary.run_id).all() and (again.run_id == rerun.run_id).all()
     by_chain = ["source_uri", "question_id"]
     assert again.sort_values(by_chain).raw_response.tolist() == (
         answers.sort_values(by_chain).raw_response.tolist()
