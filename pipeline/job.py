@@ -412,7 +412,7 @@ class RunSummary:
     state_store: str
     engine: str = ""  # e.g. "vllm qwen2.5-coder-0.5b-instruct, float32, eager"
     # the documents against the previous finished run over the same sources and output
-    changes: DocumentChanges = DocumentChanges()
+    changes: DocumentChanges = field(default_factory=DocumentChanges)
 
     @property
     def tokens(self) -> int:

@@ -42,6 +42,8 @@ from pipeline.engines.factory import EngineSpec
 from pipeline.job import JobSpec, derive_archive_key, run_job
 from tests.conftest import TEST_MODEL
 from tests.fake_engine import FACT, reply_to
+from tests.services import schema_of_its_own
+from tests.test_engines import JsonHandler
 from tests.test_job import kill_processes_marked
 
 QUESTION = "Which facts does the record hold?"
@@ -59,21 +61,14 @@ METHOD = {
 # --- the store: which run an invocation works on, and what it supersedes --------------------
 
 
-@pytest.fixture
-def store(empty_store_url: str) -> Iterator[StateStore]:
-    store = StateStore(empty_store_url)
-    store.migrate()
-    yield store
-    store.close()
-
-
 def begin(store: StateStore, job_key: str = "run-job", archive_key: str = "archive-a") -> Any:
     return store.begin_run(None, {}, job_key=job_key, archive_key=archive_key)
 
 
 def test_each_run_has_its_own_id_and_only_an_unfinished_run_of_the_same_job_resumes(
-    store: StateStore,
+    migrated_store: StateStore,
 ) -> None:
+    store = migrated_store
     first = begin(store)
     assert (first.run_id, first.attempt, first.previous_run_id) == ("run-job-1", 1, None)
     store.finish_run(first.run_id, "failed")
@@ -106,8 +101,9 @@ def plan(store: StateStore, run_id: str, uri: str, content: str, *chains: tuple[
 
 
 def test_a_run_supersedes_the_changed_removed_and_answered_anew_rows_of_the_previous(
-    store: StateStore,
+    migrated_store: StateStore,
 ) -> None:
+    store = migrated_store
     first = begin(store)
     plan(store, first.run_id, "file:///same", "sha-same", ("q0", "same-0"), ("q1", "same-1"))
     plan(store, first.run_id, "file:///edited", "sha-old", ("q0", "edited-old"))
@@ -126,7 +122,8 @@ def test_a_run_supersedes_the_changed_removed_and_answered_anew_rows_of_the_prev
     assert changes == DocumentChanges(first.run_id, new=1, changed=1, unchanged=1, removed=1)
     assert store.supersede_previous(second.run_id, 1) == changes  # idempotent
 
-    superseded = {(row["source_uri"], row["question_id"]): row for row in store.superseded(second.run_id, 1)}
+    rows = store.superseded(second.run_id, 1)
+    superseded = {(row["source_uri"], row["question_id"]): row for row in rows}
     assert {key: row["change"] for key, row in superseded.items()} == {
         ("file:///edited", "q0"): "changed",
         ("file:///gone", "q0"): "removed",
@@ -182,11 +179,11 @@ class FactChatServer(http.server.ThreadingHTTPServer):
         }
 
 
-class FactChatHandler(http.server.BaseHTTPRequestHandler):
+class FactChatHandler(JsonHandler):
     server: FactChatServer
 
     def do_GET(self) -> None:
-        self._reply({"object": "list", "data": [{"id": SERVED_MODEL, "object": "model"}]})
+        self.reply(200, json.dumps({"data": [{"id": SERVED_MODEL, "object": "model"}]}).encode())
 
     def do_POST(self) -> None:
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -194,25 +191,14 @@ class FactChatHandler(http.server.BaseHTTPRequestHandler):
         self.server.prompts.append(prompt)
         time.sleep(self.server.delay_s)
         text = reply_to(prompt)
-        self._reply({
+        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": len(text.split())}
+        self.reply(200, json.dumps({
             "id": uuid.uuid4().hex, "object": "chat.completion", "created": 0,
             "model": SERVED_MODEL,
             "choices": [{"index": 0, "finish_reason": "stop",
                          "message": {"role": "assistant", "content": text}}],
-            "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": len(text.split()),
-                      "total_tokens": len(prompt.split()) + len(text.split())},
-        })  # fmt: skip
-
-    def _reply(self, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+            "usage": {**usage, "total_tokens": sum(usage.values())},
+        }).encode())  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +260,9 @@ def answered_facts(answers: pd.DataFrame, name: str) -> set[str]:
 @pytest.fixture
 def state_store(request: pytest.FixtureRequest) -> str | None:
     """The job's state store: its default (SQLite beside the output), or PostgreSQL."""
-    return None if request.param == "default" else request.getfixturevalue("empty_store_url")
+    if request.param == "default":
+        return None
+    return schema_of_its_own(request.getfixturevalue("postgres_url"))
 
 
 @pytest.mark.parametrize(
@@ -310,9 +298,7 @@ def test_a_growing_archive_computes_only_new_and_changed_documents(
     second = run_job(spec)
     assert fact_server.documents_read() == {"bravo", "delta"}  # all that reached the engine
     assert (second.run_id, second.attempt) == (first.run_id[:-2] + "-2", 1)
-    assert second.changes == DocumentChanges(
-        first.run_id, new=1, changed=1, unchanged=1, removed=1
-    )
+    assert second.changes == DocumentChanges(first.run_id, new=1, changed=1, unchanged=1, removed=1)
     assert (second.documents, second.chains_done, second.chains_skipped) == (3, 3, 1)
     after = tables(second)
     answers = after["answers"]
@@ -321,7 +307,8 @@ def test_a_growing_archive_computes_only_new_and_changed_documents(
     assert answers.answered_in_run.to_dict() == {
         "alpha.txt": first.run_id, "bravo.txt": second.run_id, "delta.txt": second.run_id,
     }  # fmt: skip
-    assert answers.loc["alpha.txt", "raw_response"] == before["answers"].loc["alpha.txt", "raw_response"]
+    carried = answers.loc["alpha.txt", "raw_response"]
+    assert carried == before["answers"].loc["alpha.txt", "raw_response"]
     assert answered_facts(answers, "bravo.txt") == facts_of("bravo", 0, 1, 2, 3)
     superseded = after["superseded"]
     assert superseded.change.to_dict() == {"bravo.txt": "changed", "charlie.txt": "removed"}
@@ -365,8 +352,8 @@ def test_a_growing_archive_computes_only_new_and_changed_documents(
     store.close()
     assert len(waiting()) == 1 and "same sources and output" in waiting()[0]
     with store.reader.connect() as connection:
-        began = connection.execute(sa.select(runs.c.started_at).where(runs.c.run_id == third.run_id))
-        assert began.scalar_one() >= released_at[0]
+        began = sa.select(runs.c.started_at).where(runs.c.run_id == third.run_id)
+        assert connection.execute(began).scalar_one() >= released_at[0]
     assert fact_server.documents_read() == set() and third.prompt_tokens == 0
     assert third.changes == DocumentChanges(second.run_id, unchanged=3)
     assert third.chains_skipped == 3 and third.ok
@@ -428,7 +415,7 @@ def test_a_run_killed_mid_way_is_resumed_by_the_next_and_the_one_after_is_new(
         log.close()
         fact_server.delay_s = 0.0
     with sqlite3.connect(state) as connection:
-        (killed_run, status), = connection.execute(
+        ((killed_run, status),) = connection.execute(
             "SELECT run_id, status FROM runs WHERE run_id != ?", (first.run_id,)
         ).fetchall()
     assert status == "running"  # as a kill -9 leaves it

@@ -12,6 +12,7 @@ import html
 import io
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -34,6 +35,7 @@ import sqlalchemy as sa
 import yaml
 
 from connectors.results import ResultWriter, RunIdentity
+from connectors.state.records import DocumentChanges
 from connectors.state.store import (
     DocumentRecord,
     RunProgress,
@@ -233,11 +235,14 @@ def test_summary_table_shows_counts_throughput_and_outputs() -> None:
         busy_s=50.0,
         outputs={"answers": "/out/run-x/answers.parquet"},
         state_store="sqlite:////out/memstream-state.sqlite",
+        changes=DocumentChanges("run-w", new=2, changed=1, unchanged=5, removed=1),
     )
     console = Console(record=True, width=120)
     console.print(summary_table(summary))
     text = console.export_text()
     assert "run-x (attempt 2)" in text and "/out/run-x/answers.parquet" in text
+    assert re.search(r"new, changed, unchanged, removed +│ +2, 1, 5, 1", text)
+    assert re.search(r"compared with +│ +run-w", text)
     assert "200 tokens/s, 0.100 chains/s" in text  # 10,000 tokens, 5 chains in 50 s
     assert not summary.ok
 
@@ -483,6 +488,7 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
         "answers": 2,
         "trajectory": 3,
         "errors": 0,
+        "superseded": 0,  # a run of its own: no previous run over an archive
     }
     query = f"SELECT step, rejected_quotes FROM '{tables['trajectory'].uri}' ORDER BY step"
     assert duckdb.sql(query).fetchall() == [(0, []), (1, ["not in the section"]), (2, [])]
@@ -606,6 +612,43 @@ def test_local_job_answers_every_document_or_says_why(
     assert again.sort_values(by_chain).raw_response.tolist() == (
         answers.sort_values(by_chain).raw_response.tolist()
     )
+
+
+@pytest.mark.engine
+def test_a_grown_corpus_computes_only_its_new_and_changed_documents_with_the_real_engine(
+    ray_session: None, corpora: Path, tmp_path: Path
+) -> None:
+    """Two nightly runs with the real engine: between them a document is added and one changes;
+    the second run computes those two only and carries the third's answer forward."""
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "rfc.txt").write_text(excerpt_of_text(corpora, 2000))
+    (inputs / "apache.log").write_text(excerpt_of_log(corpora, 6))
+    spec = job(sources=[str(inputs)], questions=[QUESTION], output=str(tmp_path / "out"))
+    first = run_job(spec)
+    assert first.ok and first.changes.new == 2
+    before = pd.read_parquet(first.outputs["answers"]).set_index("name")
+
+    (inputs / "contract-page.pdf").write_bytes(one_page_pdf(corpora))
+    (inputs / "apache.log").write_text(excerpt_of_log(corpora, 10))
+    second = run_job(spec)
+    assert second.ok and (second.attempt, second.chains_skipped) == (1, 1)
+    assert second.changes == DocumentChanges(first.run_id, new=1, changed=1, unchanged=1)
+    answers = pd.read_parquet(second.outputs["answers"])
+    trajectory = pd.read_parquet(second.outputs["trajectory"])
+    assert_complete_trajectories(answers, trajectory)
+    by_name = answers.set_index("name")
+    assert by_name.answered_in_run.to_dict() == {
+        "rfc.txt": first.run_id, "apache.log": second.run_id, "contract-page.pdf": second.run_id,
+    }  # fmt: skip
+    assert by_name.loc["rfc.txt", "raw_response"] == before.loc["rfc.txt", "raw_response"]
+    computed = trajectory[trajectory.source_uri != by_name.loc["rfc.txt", "source_uri"]]
+    assert second.prompt_tokens == computed.prompt_tokens.sum()  # the engine read no more
+    superseded = pd.read_parquet(second.outputs["superseded"])
+    assert superseded[["name", "change", "run_id"]].values.tolist() == [
+        ["apache.log", "changed", first.run_id]
+    ]
+    assert superseded.answer.tolist() == [before.loc["apache.log", "answer"]]
 
 
 def assert_report_shows_the_run(folder: Path, answers: pd.DataFrame, errors: pd.DataFrame) -> None:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,63 +161,57 @@ def test_a_database_at_the_first_revision_keeps_its_runs_and_answers(empty_store
 # --- the run lock -------------------------------------------------------------------------------
 
 
-def holder(owner: str, *, pid: int | None = None, lease_s: float = 60, host: str = "") -> LockHolder:
+def holder(owner: str, *, pid: int | None = None, host: str = "") -> LockHolder:
     now = time.time()
-    return LockHolder(owner, host or socket.gethostname(), pid or os.getpid(), now, now + lease_s)
+    return LockHolder(owner, host or socket.gethostname(), pid or os.getpid(), now, now + 60)
 
 
 def never_gone(holder: LockHolder) -> bool:
     return False
 
 
-@pytest.fixture
-def lock_store(empty_store_url: str) -> Iterator[StateStore]:
-    store = StateStore(empty_store_url)
-    store.migrate()
-    yield store
-    store.close()
-
-
 def test_a_run_lock_has_one_holder_until_released_or_its_lease_runs_out(
-    lock_store: StateStore,
+    migrated_store: StateStore,
 ) -> None:
     first = holder("first")
-    assert lock_store.try_lock("archive-a", first, never_gone) is None
-    assert lock_store.try_lock("archive-a", first, never_gone) is None  # its own: still its
-    assert lock_store.try_lock("archive-a", holder("second"), never_gone) == first
-    assert lock_store.try_lock("archive-b", holder("second"), never_gone) is None  # another
-    assert not lock_store.renew_lock("archive-a", "second", time.time() + 60)
-    assert lock_store.renew_lock("archive-a", "first", time.time() - 1)  # a lease run out
-    assert lock_store.try_lock("archive-a", holder("third"), never_gone) is None
-    assert not lock_store.renew_lock("archive-a", "first", time.time() + 60)  # taken over
-    lock_store.release_lock("archive-a", "first")  # not its holder: nothing happens
-    assert lock_store.try_lock("archive-a", holder("fourth"), never_gone).owner == "third"
-    lock_store.release_lock("archive-a", "third")
-    assert lock_store.try_lock("archive-a", holder("fourth"), never_gone) is None
+    assert migrated_store.try_lock("archive-a", first, never_gone) is None
+    assert migrated_store.try_lock("archive-a", first, never_gone) is None  # its own: still its
+    assert migrated_store.try_lock("archive-a", holder("second"), never_gone) == first
+    assert migrated_store.try_lock("archive-b", holder("second"), never_gone) is None  # another
+    assert not migrated_store.renew_lock("archive-a", "second", time.time() + 60)
+    assert migrated_store.renew_lock("archive-a", "first", time.time() - 1)  # a lease run out
+    assert migrated_store.try_lock("archive-a", holder("third"), never_gone) is None
+    assert not migrated_store.renew_lock("archive-a", "first", time.time() + 60)  # taken over
+    migrated_store.release_lock("archive-a", "first")  # not its holder: nothing happens
+    assert migrated_store.try_lock("archive-a", holder("fourth"), never_gone).owner == "third"
+    migrated_store.release_lock("archive-a", "third")
+    assert migrated_store.try_lock("archive-a", holder("fourth"), never_gone) is None
 
 
 def test_a_lock_whose_holder_died_on_this_host_is_taken_over_at_once(
-    lock_store: StateStore,
+    migrated_store: StateStore,
 ) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
-    assert lock_store.try_lock("archive-a", holder("dead", pid=int(dead.stdout)), never_gone) is None
+    dead_holder = holder("dead", pid=int(dead.stdout))
+    assert migrated_store.try_lock("archive-a", dead_holder, never_gone) is None
     alive = holder("alive")
-    assert lock_store.try_lock("archive-a", holder("next"), locks.is_gone) is None
-    assert lock_store.try_lock("archive-a", alive, locks.is_gone).owner == "next"
+    assert migrated_store.try_lock("archive-a", holder("next"), locks.is_gone) is None
+    assert migrated_store.try_lock("archive-a", alive, locks.is_gone).owner == "next"
     # a holder on another host is trusted until its lease runs out
-    assert lock_store.try_lock("archive-b", holder("far", pid=1, host="elsewhere"), never_gone) is None
-    assert lock_store.try_lock("archive-b", alive, locks.is_gone).owner == "far"
+    far = holder("far", pid=1, host="elsewhere")
+    assert migrated_store.try_lock("archive-b", far, never_gone) is None
+    assert migrated_store.try_lock("archive-b", alive, locks.is_gone).owner == "far"
 
 
 def test_a_second_holder_waits_with_one_line_until_the_first_releases(
-    lock_store: StateStore, caplog: pytest.LogCaptureFixture
+    migrated_store: StateStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     order: list[str] = []
     first_holds, release = threading.Event(), threading.Event()
 
     def first() -> None:
-        with locks.holding(lock_store, "archive-a", poll_s=0.05):
+        with locks.holding(migrated_store, "archive-a", poll_s=0.05):
             order.append("first in")
             first_holds.set()
             release.wait(30)
@@ -228,17 +221,19 @@ def test_a_second_holder_waits_with_one_line_until_the_first_releases(
     thread.start()
     assert first_holds.wait(30)
     threading.Timer(1.0, release.set).start()
-    with caplog.at_level("WARNING", logger="connectors.state.locks"):
-        with locks.holding(lock_store, "archive-a", poll_s=0.05):
-            order.append("second in")
+    with (
+        caplog.at_level("WARNING", logger="connectors.state.locks"),
+        locks.holding(migrated_store, "archive-a", poll_s=0.05),
+    ):
+        order.append("second in")
     thread.join(30)
     assert order == ["first in", "first out", "second in"]
     waiting = [r.getMessage() for r in caplog.records if "waiting for it to finish" in r.message]
     assert len(waiting) == 1 and f"pid {os.getpid()} on {socket.gethostname()}" in waiting[0]
 
 
-def test_a_held_lock_is_renewed_while_its_holder_runs(lock_store: StateStore) -> None:
-    with locks.holding(lock_store, "archive-a", lease_s=0.4) as mine:
+def test_a_held_lock_is_renewed_while_its_holder_runs(migrated_store: StateStore) -> None:
+    with locks.holding(migrated_store, "archive-a", lease_s=0.4) as mine:
         time.sleep(1.0)  # past the first lease: renewed every 0.1 s
-        assert lock_store.try_lock("archive-a", holder("other"), never_gone).owner == mine.owner
-    assert lock_store.try_lock("archive-a", holder("other"), never_gone) is None
+        assert migrated_store.try_lock("archive-a", holder("other"), never_gone).owner == mine.owner
+    assert migrated_store.try_lock("archive-a", holder("other"), never_gone) is None

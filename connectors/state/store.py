@@ -208,8 +208,8 @@ class StateStore:
                 .order_by(runs.c.created_at.desc())
             )
             if run_id is None:
-                if job_key is None:
-                    raise ValueError("begin_run needs a run_id or a job_key")
+                if job_key is None or archive_key is None:
+                    raise ValueError("begin_run needs a run_id, or a job_key and an archive_key")
                 latest = connection.execute(over_archive.limit(1)).first()
                 unfinished = latest is not None and latest.status in UNFINISHED_RUN
                 if unfinished and latest.job_key == job_key:
@@ -237,9 +237,11 @@ class StateStore:
                     update(runs).where(runs.c.run_id == run_id).values(attempt=attempt, **values)
                 )
                 return RunStart(run_id, attempt, found.previous_run_id)
-            previous = connection.execute(
-                over_archive.where(runs.c.status.in_(FINISHED_RUN)).limit(1)
-            ).first()
+            previous = None
+            if archive_key is not None:
+                previous = connection.execute(
+                    over_archive.where(runs.c.status.in_(FINISHED_RUN)).limit(1)
+                ).first()
             previous_run_id = None if previous is None else previous.run_id
             connection.execute(
                 insert(runs).values(
