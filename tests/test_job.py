@@ -648,7 +648,7 @@ def test_a_grown_corpus_computes_only_its_new_and_changed_documents_with_the_rea
     assert superseded[["name", "change", "run_id"]].values.tolist() == [
         ["apache.log", "changed", first.run_id]
     ]
-    assert superseded.answer.tolist() == [before.loc["apache.log", "answer"]]
+    assert superseded.chain_key.tolist() == [before.loc["apache.log", "chain_key"]]
 
 
 def assert_report_shows_the_run(folder: Path, answers: pd.DataFrame, errors: pd.DataFrame) -> None:
