@@ -12,7 +12,6 @@ removed documents; two runs over one archive never overlap.
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
@@ -41,13 +40,12 @@ from pipeline.core.document import PlannedChain
 from pipeline.engines.factory import EngineSpec
 from pipeline.job import JobSpec, derive_archive_key, run_job
 from tests.conftest import TEST_MODEL
-from tests.fake_engine import FACT, reply_to
+from tests.fact_server import FactChatHandler, fact_chat_server
+from tests.fake_engine import FACT
 from tests.services import schema_of_its_own
-from tests.test_engines import JsonHandler
 from tests.test_job import kill_processes_marked
 
 QUESTION = "Which facts does the record hold?"
-SERVED_MODEL = "fake-model"
 # Segments of two dozen tokens that end at a space, so no fact is cut in two.
 METHOD = {
     "template": "memagent-reference",
@@ -156,22 +154,23 @@ def test_model_template_and_question_are_each_part_of_a_chain_key() -> None:
 # --- run_job, with real Ray and an HTTP engine that replies as FactEngine -----------------------
 
 
-class FactChatServer(http.server.ThreadingHTTPServer):
-    """An OpenAI-compatible server that answers every chat completion with `reply_to(prompt)`
-    after `delay_s`, and keeps the prompts it was sent."""
+class FactServer:
+    """The fact chat server (tests/fact_server.py) and what it was sent."""
 
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), FactChatHandler)
-        self.prompts: list[str] = []
-        self.delay_s = 0.0
+    def __init__(self, url: str) -> None:
+        self.url = url
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+    def delay_s(self) -> float:
+        return FactChatHandler.delay_s
+
+    @delay_s.setter
+    def delay_s(self, seconds: float) -> None:
+        FactChatHandler.delay_s = seconds
 
     def documents_read(self) -> set[str]:
         """The documents whose facts were in the sections sent since the last call."""
-        prompts, self.prompts = self.prompts, []
+        prompts, FactChatHandler.prompts = FactChatHandler.prompts, []
         return {
             fact.removeprefix("fact-").rstrip("0123456789")
             for prompt in prompts
@@ -179,34 +178,10 @@ class FactChatServer(http.server.ThreadingHTTPServer):
         }
 
 
-class FactChatHandler(JsonHandler):
-    server: FactChatServer
-
-    def do_GET(self) -> None:
-        self.reply(200, json.dumps({"data": [{"id": SERVED_MODEL, "object": "model"}]}).encode())
-
-    def do_POST(self) -> None:
-        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        prompt = request["messages"][0]["content"]
-        self.server.prompts.append(prompt)
-        time.sleep(self.server.delay_s)
-        text = reply_to(prompt)
-        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": len(text.split())}
-        self.reply(200, json.dumps({
-            "id": uuid.uuid4().hex, "object": "chat.completion", "created": 0,
-            "model": SERVED_MODEL,
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": text}}],
-            "usage": {**usage, "total_tokens": sum(usage.values())},
-        }).encode())  # fmt: skip
-
-
 @pytest.fixture(scope="module")
-def fact_server() -> Iterator[FactChatServer]:
-    server = FactChatServer()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server
-    server.shutdown()
+def fact_server() -> Iterator[FactServer]:
+    with fact_chat_server() as url:
+        yield FactServer(url)
 
 
 @pytest.fixture(scope="module")
@@ -231,13 +206,13 @@ def facts_of(name: str, *numbers: int) -> set[str]:
 
 
 def nightly(
-    folder: Path, output: Path, server: FactChatServer, state_store: str | None, **fields: Any
+    folder: Path, output: Path, server: FactServer, state_store: str | None, **fields: Any
 ) -> dict[str, Any]:
     return {
         "sources": [str(folder)],
         "output": str(output),
         "questions": [QUESTION],
-        "engine": {"kind": "openai", "base_url": server.url, "model": SERVED_MODEL,
+        "engine": {"kind": "openai", "base_url": server.url, "model": FactChatHandler.served_model,
                    "tokenizer": TEST_MODEL, "max_model_len": 4096},
         "method": METHOD,
         "state_store": state_store,
@@ -270,7 +245,7 @@ def state_store(request: pytest.FixtureRequest) -> str | None:
 )
 def test_a_growing_archive_computes_only_new_and_changed_documents(
     ray_session: None,
-    fact_server: FactChatServer,
+    fact_server: FactServer,
     state_store: str | None,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
@@ -379,7 +354,7 @@ RUN_IN_SUBPROCESS = (
 
 
 def test_a_run_killed_mid_way_is_resumed_by_the_next_and_the_one_after_is_new(
-    ray_session: None, fact_server: FactChatServer, tmp_path: Path
+    ray_session: None, fact_server: FactServer, tmp_path: Path
 ) -> None:
     archive, output = tmp_path / "archive", tmp_path / "out"
     archive.mkdir()
