@@ -224,7 +224,7 @@ def s3_server(folder: Path) -> Iterator[Any]:
 def run_context(store_url: str, run_id: str) -> RunContext:
     store = StateStore(store_url)
     store.migrate()
-    attempt = store.begin_run(run_id, {"bench": "streaming_reads"})
+    attempt = store.begin_run(run_id, {"bench": "streaming_reads"}).attempt
     spec = EngineSpec(model=MODEL, dtype="float32")
     return RunContext(run_id, attempt, store_url, spec, MethodConfig(), (Question("q0", QUESTION),))
 

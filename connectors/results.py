@@ -1,9 +1,11 @@
 """The run's results as Parquet tables and a manifest, exported from the state store.
 
-Under `<output>/<run_id>/`: `answers.parquet` (one row per document and question),
-`trajectory.parquet` (one row per model call), `errors.parquet` (one row per document that could
-not be read, parsed or segmented) and `manifest.json`. The state store is the truth; an export
-rewrites the files whole, so a rerun replaces them instead of adding to them.
+Under `<output>/<run_id>/`: `answers.parquet` (one row per document and question, carried
+forward or not: `answered_in_run` names the run that computed it), `trajectory.parquet` (one row
+per model call), `errors.parquet` (one row per document that could not be read, parsed or
+segmented), `superseded.parquet` (one row per answers row of the previous run over the archive
+that this run replaced) and `manifest.json`. The state store is the truth; an export rewrites
+the files whole, so a rerun replaces them instead of adding to them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ EVIDENCE_TYPE = pa.struct(
 ANSWERS_SCHEMA = pa.schema(
     [
         ("run_id", pa.string()),
+        # the run that computed the answer: this one, or an earlier one whose answer was carried
+        # forward (same content, question, model and method); NULL while unanswered
+        ("answered_in_run", pa.string()),
         ("doc_id", pa.string()),
         ("name", pa.string()),
         ("source_uri", pa.string()),
@@ -125,6 +130,25 @@ ERRORS_SCHEMA = pa.schema(
 )
 
 
+SUPERSEDED_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),  # the earlier run whose answers row this is
+        ("answered_in_run", pa.string()),
+        ("superseded_by", pa.string()),  # this run
+        ("change", pa.string()),  # "changed", "removed" or "answered anew"
+        ("doc_id", pa.string()),
+        ("name", pa.string()),
+        ("source_uri", pa.string()),
+        ("question_id", pa.string()),
+        ("question", pa.string()),
+        ("status", pa.string()),
+        ("answer", pa.string()),
+        ("content_sha256", pa.string()),
+        ("chain_key", pa.string()),
+    ]
+)
+
+
 @dataclass(frozen=True)
 class RunIdentity:
     """What every answers row says about how it was made."""
@@ -169,6 +193,7 @@ class ResultWriter:
                 (trajectory_row(row) for row in store.trajectory(run.run_id, run.attempt)),
             ),
             "errors": (ERRORS_SCHEMA, store.errors(run.run_id, run.attempt)),
+            "superseded": (SUPERSEDED_SCHEMA, store.superseded(run.run_id, run.attempt)),
         }
         return {
             name: ExportedTable(name, self.uri(f"{name}.parquet"), self._write(name, *table))
@@ -214,6 +239,7 @@ def answer_row(row: Mapping[str, Any], run: RunIdentity) -> dict[str, Any]:
     started, finished = row["started_at"], row["finished_at"]
     return {
         "run_id": row["run_id"],
+        "answered_in_run": row["answered_in_run"],
         "doc_id": row["doc_id"],
         "name": row["name"],
         "source_uri": row["source_uri"],

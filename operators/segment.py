@@ -27,8 +27,10 @@ class SegmentStage:
     """Documents with their text in, documents with their segments and chains out (the text
     dropped: the segments hold it). Tokenizes each document once, cuts it into segments and
     records its chains (one per question) in the state store. A document whose chains are all
-    answered already is passed on without segments. Runs as plain Ray tasks; the tokenizer
-    is loaded once per worker process."""
+    answered already (unchanged since an earlier run, or answered by an earlier attempt) is
+    recorded for the run, so its answers are the run's too, and goes no further: only new and
+    changed documents, and those with unfinished chains, reach the memory stage. Runs as plain
+    Ray tasks; the tokenizer is loaded once per worker process."""
 
     def __init__(self, run: RunContext) -> None:
         self.run = run
@@ -75,9 +77,10 @@ class SegmentStage:
             for question in questions
         ]
         statuses = store.chain_statuses([chain.chain_key for chain in chains])
+        answered = all(statuses.get(chain.chain_key) == DONE for chain in chains)
         segments = None
         n_tokens = None
-        if original is None and any(statuses.get(chain.chain_key) != DONE for chain in chains):
+        if original is None and not answered:
             tokenizer = cached_tokenizer(self.run.engine)
             tokenized = tokenize(document.doc_id, document.text or "", tokenizer)
             max_tokens = self.run.limits.max_tokens
@@ -91,7 +94,7 @@ class SegmentStage:
             n_tokens = tokenized.n_tokens
         planned = replace(document, text=None, n_tokens=n_tokens, segments=segments)
         statuses = store.plan_document(self._record(planned), chains)
-        if original is not None:
+        if original is not None or answered:
             return None  # planned (its answers rows), not run
         return replace(
             planned,

@@ -10,8 +10,13 @@ the stages; the memory stage checkpoints every step in the state store. At the e
 exports the run from the state store to Parquet.
 
 A job is a `JobSpec`, from YAML (`load_job_spec`) or built in Python; `run_job` runs it and
-returns a `RunSummary`. Rerunning the same spec resumes it: its run id is derived from the spec,
-answered chains are skipped and unfinished ones resume from their last checkpoint.
+returns a `RunSummary`. Runs are incremental: every run gets its own run id, `<job key>-<n>`, the
+job key derived from the spec; a run after a crash or a failure resumes that unfinished run (its
+next attempt), any other begins a new one. Chains are keyed by content, question, model and
+method, so in either case answered chains are not run again (their answers are carried forward
+into the run's tables) and unfinished ones resume from their last checkpoint; only new and
+changed documents reach the engine. One run at a time holds the archive (its sources and
+output): a second one waits for it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from connectors import OutputError, Source, SourceError, check_output, open_outp
 from connectors.base import coerce_questions
 from connectors.reading import BLOCK_BYTES, SourceDatasource, estimated_bytes
 from connectors.results import ResultWriter, RunIdentity
+from connectors.state import locks
+from connectors.state.records import DocumentChanges
+from connectors.state.schema import DONE, DONE_WITH_ERRORS
 from connectors.state.store import FAILED, RunProgress, StateStore, StateStoreError
 from operators.memory import ENGINE_ACTOR_ENV, MemoryStage
 from operators.read import ReadParseStage
@@ -124,7 +132,8 @@ class JobSpec:
     method: MethodConfig = field(default_factory=MethodConfig)
     limits: DocumentLimits = field(default_factory=DocumentLimits)  # of one document
     state_store: str | None = None  # SQLAlchemy URL; default: SQLite beside the output
-    run_id: str | None = None  # default: derived from the spec, so a rerun resumes
+    # default: `<job key>-<n>`, a new one per run; the unfinished one is resumed
+    run_id: str | None = None
     concurrency: ConcurrencySpec = field(default_factory=ConcurrencySpec)
     ray_address: str | None = None  # default: the running Ray session, else a local one
 
@@ -217,10 +226,12 @@ class JobPlan:
     spec: JobSpec
     sources: list[Source]
     questions: tuple[Question, ...]
-    run_id: str
+    job_key: str  # what the job computes (derive_job_key)
+    archive_key: str  # what it reads and where it writes: one run at a time holds it
     store: StateStore
     filesystem: pafs.FileSystem
     output_base: str
+    run_id: str | None = None  # the spec's; once the run begins, the run's
 
 
 def plan_job(spec: JobSpec) -> JobPlan:
@@ -252,13 +263,22 @@ def plan_job(spec: JobSpec) -> JobPlan:
         raise JobError(str(error)) from None
     if spec.engine.kind == "openai":
         _check_server(spec.engine)
-    run_id = spec.run_id or derive_run_id(spec, questions)
     store = StateStore(spec.state_store or default_state_store(spec.output, base))
     try:
         store.migrate()
     except StateStoreError as error:
         raise JobError(str(error)) from None
-    return JobPlan(spec, sources, questions, run_id, store, filesystem, base)
+    return JobPlan(
+        spec,
+        sources,
+        questions,
+        derive_job_key(spec, questions),
+        derive_archive_key(spec),
+        store,
+        filesystem,
+        base,
+        spec.run_id,
+    )
 
 
 def _open_source(source: str | dict[str, Any]) -> Source:
@@ -309,10 +329,10 @@ def _check_server(spec: EngineSpec) -> None:
         raise JobError(str(error)) from None
 
 
-def derive_run_id(spec: JobSpec, questions: Sequence[Question]) -> str:
-    """The same inputs, questions, model, method and output give the same id: a rerun of the
-    same spec resumes the same run, whatever its concurrency or engine settings other than
-    the dtype, which changes the answers."""
+def derive_job_key(spec: JobSpec, questions: Sequence[Question]) -> str:
+    """The same inputs, questions, model, method and output give the same key, whatever the
+    concurrency or engine settings other than the dtype, which changes the answers. A run's id
+    is `<job key>-<n>`; a run resumes only an unfinished run of the same key."""
     identity = {
         "sources": list(spec.sources),
         "questions": [asdict(q) for q in questions],
@@ -324,6 +344,14 @@ def derive_run_id(spec: JobSpec, questions: Sequence[Question]) -> str:
     }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
     return f"run-{digest.hexdigest()[:12]}"
+
+
+def derive_archive_key(spec: JobSpec) -> str:
+    """What a run reads and where it writes: runs of one archive never overlap, and each is
+    compared with the previous finished one (new, changed, unchanged, removed documents)."""
+    identity = {"sources": list(spec.sources), "output": spec.output.uri}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
+    return f"archive-{digest.hexdigest()[:16]}"
 
 
 def default_state_store(output: OutputSpec, base: str) -> str:
@@ -383,6 +411,8 @@ class RunSummary:
     outputs: dict[str, str]  # table name (and "manifest") -> URI
     state_store: str
     engine: str = ""  # e.g. "vllm qwen2.5-coder-0.5b-instruct, float32, eager"
+    # the documents against the previous finished run over the same sources and output
+    changes: DocumentChanges = field(default_factory=DocumentChanges)
 
     @property
     def tokens(self) -> int:
@@ -418,14 +448,16 @@ class RunSummary:
 
 @dataclass
 class _Tally:
+    """What the memory stage reports of the chains that reached it in this attempt."""
+
+    answered: int = 0
     resumed: int = 0
-    skipped: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
     def add(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
-            self.skipped += row["status"] == "skipped"
+            self.answered += row["status"] == "done"
             self.resumed += row["status"] == "done" and row["start_step"] > 0
             self.prompt_tokens += row["prompt_tokens"]
             self.completion_tokens += row["completion_tokens"]
@@ -473,16 +505,33 @@ def run_job(
     progress_interval_s: float = 10.0,
 ) -> RunSummary:
     """Runs the job to the end and exports its tables; see the module docstring. While it
-    runs, `on_progress` gets the model calls and chains done so far (by default, a log line)."""
-    started, started_at = time.perf_counter(), time.time()
+    runs, `on_progress` gets the model calls and chains done so far (by default, a log line).
+    While another run holds the archive, it waits, and says so in a log line."""
+    started = time.perf_counter()
     plan = plan_job(spec)
     check_not_empty(plan.sources)
     plan.spec = replace(
         plan.spec, engine=plan.spec.engine.resolved(planned_tokens=estimated_tokens(plan))
     )
-    attempt = plan.store.begin_run(plan.run_id, _run_description(plan))
+    waiting = time.perf_counter()
+    with locks.holding(plan.store, plan.archive_key):
+        started += time.perf_counter() - waiting  # waiting is not the run's time
+        return _run(plan, on_progress, progress_interval_s, started)
+
+
+def _run(
+    plan: JobPlan, on_progress: ProgressCallback, progress_interval_s: float, started: float
+) -> RunSummary:
+    started_at = time.time()
+    begun = plan.store.begin_run(
+        plan.run_id, _run_description(plan), job_key=plan.job_key, archive_key=plan.archive_key
+    )
+    plan.run_id = run_id = begun.run_id
+    attempt = begun.attempt
+    if begun.attempt > 1:
+        logger.info("resuming run %s (attempt %d)", run_id, attempt)
     run = RunContext(
-        run_id=plan.run_id,
+        run_id=run_id,
         attempt=attempt,
         store_url=plan.store.url,
         engine=plan.spec.engine,
@@ -490,20 +539,20 @@ def run_job(
         questions=plan.questions,
         limits=plan.spec.limits,
     )
-    started_ray = _ensure_ray(spec.ray_address)
+    started_ray = _ensure_ray(plan.spec.ray_address)
     tally = _Tally()
     try:
         dataset = _build_dataset(plan, run)
-        with watching(plan.store, plan.run_id, attempt, on_progress, progress_interval_s):
+        with watching(plan.store, run_id, attempt, on_progress, progress_interval_s):
             for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
                 tally.add(batch.to_pylist())
     except SourceError as error:  # a shard that failed as a whole, in its read task
         with contextlib.suppress(Exception):
-            plan.store.finish_run(plan.run_id, FAILED)
+            plan.store.finish_run(run_id, FAILED)
         raise JobError(_first_line(error)) from None
     except BaseException:
         with contextlib.suppress(Exception):  # keep the error that stopped the run
-            plan.store.finish_run(plan.run_id, FAILED)
+            plan.store.finish_run(run_id, FAILED)
         raise
     finally:
         if started_ray:
@@ -612,9 +661,10 @@ def _finish(
     started_at: float,
 ) -> RunSummary:
     spec = plan.spec
-    writer = ResultWriter(plan.filesystem, plan.output_base, plan.run_id)
+    writer = ResultWriter(plan.filesystem, plan.output_base, run.run_id)
+    changes = plan.store.supersede_previous(run.run_id, run.attempt)
     identity = RunIdentity(
-        plan.run_id,
+        run.run_id,
         run.attempt,
         spec.engine.model,
         spec.engine.kind,
@@ -622,10 +672,10 @@ def _finish(
         spec.method,
     )
     tables = writer.export_tables(plan.store, identity)
-    statuses = plan.store.chain_status_counts(plan.run_id, run.attempt)
-    answered, failed_documents = plan.store.document_counts(plan.run_id, run.attempt)
+    statuses = plan.store.chain_status_counts(run.run_id, run.attempt)
+    answered, failed_documents = plan.store.document_counts(run.run_id, run.attempt)
     summary = RunSummary(
-        run_id=plan.run_id,
+        run_id=run.run_id,
         attempt=run.attempt,
         # every input read ends planned (answers rows) or in errors, never both
         documents=answered + failed_documents,
@@ -635,19 +685,21 @@ def _finish(
         chains_done=statuses.get("done", 0),
         chains_failed=statuses.get("failed", 0),
         chains_resumed=tally.resumed,
-        chains_skipped=tally.skipped,
+        # answered before: carried forward, or by an earlier attempt, or shared with a copy
+        chains_skipped=statuses.get(DONE, 0) - tally.answered,
         errors=tables["errors"].rows,
         prompt_tokens=tally.prompt_tokens,
         completion_tokens=tally.completion_tokens,
         elapsed_s=elapsed_s,
-        busy_s=plan.store.busy_window(plan.run_id, run.attempt, started_at),
+        busy_s=plan.store.busy_window(run.run_id, run.attempt, started_at),
         outputs={name: table.uri for name, table in tables.items()},
         state_store=plan.store.safe_url,
         engine=_engine_line(spec.engine),
+        changes=changes,
     )
     manifest_uri = writer.write_manifest(_manifest(plan, summary, tables))
     summary = replace(summary, outputs={**summary.outputs, "manifest": manifest_uri})
-    plan.store.finish_run(plan.run_id, "done" if summary.ok else "done_with_errors")
+    plan.store.finish_run(run.run_id, DONE if summary.ok else DONE_WITH_ERRORS)
     return summary
 
 
@@ -672,12 +724,17 @@ def _manifest(plan: JobPlan, summary: RunSummary, tables: Mapping[str, Any]) -> 
         **_run_description(plan),
         "run_id": summary.run_id,
         "attempt": summary.attempt,
+        "previous_run_id": summary.changes.previous_run_id,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "state_store": summary.state_store,
         "counts": {
             "documents": summary.documents,
             "documents_answered": summary.documents_answered,
             "documents_failed": summary.documents_failed,
+            "documents_new": summary.changes.new,
+            "documents_changed": summary.changes.changed,
+            "documents_unchanged": summary.changes.unchanged,
+            "documents_removed": summary.changes.removed,
             "chains": summary.chains,
             "chains_done": summary.chains_done,
             "chains_failed": summary.chains_failed,

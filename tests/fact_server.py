@@ -8,7 +8,9 @@ import contextlib
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
+from typing import ClassVar
 
 from tests.fake_engine import reply_to
 
@@ -30,10 +32,13 @@ class JsonHandler(http.server.BaseHTTPRequestHandler):
 
 class FactChatHandler(JsonHandler):
     """`GET /v1/models` lists `served_model`; `POST /v1/chat/completions` replies with
-    `reply_to(prompt)`, token counts being word counts. Counts the completions it served."""
+    `reply_to(prompt)` after `delay_s`, token counts being word counts. Counts the completions
+    it served and keeps their prompts."""
 
     served_model = "fact-model"
     completions = 0
+    prompts: ClassVar[list[str]] = []
+    delay_s = 0.0
 
     def do_GET(self) -> None:
         if self.path.rstrip("/") != "/v1/models":
@@ -48,6 +53,8 @@ class FactChatHandler(JsonHandler):
             self.reply(404, b'{"error": {"message": "not found"}}')
             return
         prompt = request["messages"][-1]["content"]
+        type(self).prompts.append(prompt)
+        time.sleep(self.delay_s)
         text = reply_to(prompt)
         type(self).completions += 1
         completion = {
@@ -75,7 +82,7 @@ class FactChatHandler(JsonHandler):
 def fact_chat_server() -> Iterator[str]:
     """A `FactChatHandler` server on a free loopback port, in a thread; yields its base URL
     (ending in /v1)."""
-    FactChatHandler.completions = 0
+    FactChatHandler.completions, FactChatHandler.prompts, FactChatHandler.delay_s = 0, [], 0.0
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FactChatHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

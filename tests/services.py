@@ -11,6 +11,8 @@ Register with `pytest_plugins = ["tests.services"]` in conftest.py.
 - `postgres_url`: a throwaway cluster from infra/services/postgres.sh (which installs PostgreSQL
   from Debian when missing), as a SQLAlchemy URL with a password.
 - `sqlite_url`: a SQLite file.
+- `empty_store_url`: an empty state store database, once on SQLite and once on PostgreSQL (a
+  schema of its own on the session's cluster); `migrated_store`: a StateStore on it, migrated.
 
 A service that cannot start fails the tests that use it. Outside CI, MEMSTREAM_ALLOW_SKIP_SERVICES=1
 skips them instead; in CI it is refused, so a CI run never passes without its services.
@@ -257,6 +259,35 @@ def _stop_postgres(folder: Path) -> None:
 @pytest.fixture(scope="session")
 def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'memstream.db'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.server)])
+def empty_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state.sqlite'}"
+    return schema_of_its_own(request.getfixturevalue("postgres_url"))
+
+
+@pytest.fixture
+def migrated_store(empty_store_url: str) -> Iterator[Any]:
+    from connectors.state.store import StateStore
+
+    store = StateStore(empty_store_url)
+    store.migrate()
+    yield store
+    store.close()
+
+
+def schema_of_its_own(postgres_url: str) -> str:
+    """The URL of a new, empty schema on the cluster of `postgres_url`."""
+    import sqlalchemy as sa
+
+    name = f"s{secrets.token_hex(5)}"
+    engine = sa.create_engine(postgres_url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(f"CREATE SCHEMA {name}")
+    engine.dispose()
+    return f"{postgres_url}?options=-csearch_path%3D{name}"
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -152,7 +152,7 @@ def test_every_hostile_file_is_answered_or_an_errors_row_with_its_reason(
     url = f"sqlite:///{tmp_path / 'state.sqlite'}"
     store = StateStore(url)
     store.migrate()
-    attempt = store.begin_run(RUN_ID, {"test": "hostile"})
+    attempt = store.begin_run(RUN_ID, {"test": "hostile"}).attempt
     spec = EngineSpec(model="fake-model", dtype="float32")
     context = RunContext(RUN_ID, attempt, url, spec, METHOD, (Question("q0", QUESTION),), LIMITS)
     source = LocalSource([str(corpus)])

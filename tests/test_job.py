@@ -12,6 +12,7 @@ import html
 import io
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -34,6 +35,7 @@ import sqlalchemy as sa
 import yaml
 
 from connectors.results import ResultWriter, RunIdentity
+from connectors.state.records import DocumentChanges
 from connectors.state.store import (
     DocumentRecord,
     RunProgress,
@@ -52,7 +54,8 @@ from pipeline.job import (
     JobError,
     JobSpec,
     _engine_line,
-    derive_run_id,
+    derive_archive_key,
+    derive_job_key,
     load_job_spec,
     plan_job,
     run_job,
@@ -232,11 +235,14 @@ def test_summary_table_shows_counts_throughput_and_outputs() -> None:
         busy_s=50.0,
         outputs={"answers": "/out/run-x/answers.parquet"},
         state_store="sqlite:////out/memstream-state.sqlite",
+        changes=DocumentChanges("run-w", new=2, changed=1, unchanged=5, removed=1),
     )
     console = Console(record=True, width=120)
     console.print(summary_table(summary))
     text = console.export_text()
     assert "run-x (attempt 2)" in text and "/out/run-x/answers.parquet" in text
+    assert re.search(r"new, changed, unchanged, removed +│ +2, 1, 5, 1", text)
+    assert re.search(r"compared with +│ +run-w", text)
     assert "200 tokens/s, 0.100 chains/s" in text  # 10,000 tokens, 5 chains in 50 s
     assert not summary.ok
 
@@ -257,20 +263,24 @@ def test_progress_off_a_terminal_is_a_line_when_it_changed_and_the_last_one_alwa
     ]
 
 
-def test_run_id_is_stable_and_follows_what_changes_the_answers() -> None:
+def test_job_key_is_stable_and_follows_what_changes_the_answers() -> None:
     spec = job(sources=["docs"], output="out", questions=[QUESTION])
     questions = (Question("q0", QUESTION),)
-    run_id = derive_run_id(spec, questions)
-    assert run_id == derive_run_id(
+    job_key = derive_job_key(spec, questions)
+    assert job_key == derive_job_key(
         job(sources=["docs"], output="out", questions=[QUESTION]), questions
     )
     more_actors = job(sources=["docs"], output="out", concurrency={"actors": 3})
-    assert derive_run_id(more_actors, questions) == run_id
+    assert derive_job_key(more_actors, questions) == job_key
     other_method = job(sources=["docs"], output="out", method={**METHOD, "chunk_size": 256})
-    assert derive_run_id(other_method, questions) != run_id
-    assert derive_run_id(spec, (Question("q0", "Other?"),)) != run_id
+    assert derive_job_key(other_method, questions) != job_key
+    assert derive_job_key(spec, (Question("q0", "Other?"),)) != job_key
     in_bf16 = job(sources=["docs"], output="out", engine={**ENGINE, "dtype": "bfloat16"})
-    assert derive_run_id(in_bf16, questions) != run_id
+    assert derive_job_key(in_bf16, questions) != job_key
+    # the archive is what a run reads and where it writes, whatever it computes
+    assert derive_archive_key(in_bf16) == derive_archive_key(other_method)
+    assert derive_archive_key(spec) != derive_archive_key(job(sources=["docs"], output="out2"))
+    assert derive_archive_key(spec) != derive_archive_key(job(sources=["docs2"], output="out"))
 
 
 def test_a_chain_key_names_its_dtype_so_a_resumed_chain_never_mixes_dtypes() -> None:
@@ -344,7 +354,7 @@ def test_sources_are_one_ray_read_and_every_input_ends_read_or_in_errors(
     ]  # fmt: skip
     store = StateStore(f"sqlite:///{tmp_path / 'state.sqlite'}")
     store.migrate()
-    attempt = store.begin_run("run-read", {})
+    attempt = store.begin_run("run-read", {}).attempt
     spec = job(sources=["x"], output=str(tmp_path / "out"))
     run = RunContext("run-read", attempt, store.url, spec.engine, spec.method, ())
     started = not ray.is_initialized()
@@ -430,7 +440,7 @@ def step(
 def test_store_checkpoints_resume_and_export_one_row_per_question(
     store: StateStore, tmp_path: Path
 ) -> None:
-    attempt = store.begin_run("run-a", {"what": "test"})
+    attempt = store.begin_run("run-a", {"what": "test"}).attempt
     assert attempt == 1
     chains = [PlannedChain("key-1", "q0", "Q1?"), PlannedChain("key-2", "q1", "Q2?")]
     assert store.plan_document(document("run-a", 1, "file:///a"), chains) == {
@@ -446,7 +456,7 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
     assert store.progress("run-a", 1) == RunProgress(2, 6, 0, 2)
 
     # a crash, then a rerun: a new attempt re-plans the same chains and keeps their progress
-    assert store.begin_run("run-a", {"what": "test"}) == 2
+    assert store.begin_run("run-a", {"what": "test"}).attempt == 2
     statuses = store.plan_document(document("run-a", 2, "file:///a"), chains)
     assert statuses == {"key-1": "running", "key-2": "pending"}
     store.record_step(step("key-1", 1, rejected=("not in the section",)))  # written twice: one row
@@ -478,6 +488,7 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
         "answers": 2,
         "trajectory": 3,
         "errors": 0,
+        "superseded": 0,  # a run of its own: no previous run over an archive
     }
     query = f"SELECT step, rejected_quotes FROM '{tables['trajectory'].uri}' ORDER BY step"
     assert duckdb.sql(query).fetchall() == [(0, []), (1, ["not in the section"]), (2, [])]
@@ -590,13 +601,54 @@ def test_local_job_answers_every_document_or_says_why(
     manifest = json.loads(Path(summary.outputs["manifest"]).read_text())
     assert manifest["counts"]["answers_rows"] == 5 and manifest["run_id"] == summary.run_id
 
+    # the next run over the unchanged inputs: a run of its own, every answer carried forward
     rerun = run_job(job(sources=[str(local_inputs)], questions=[QUESTION], output=str(output)))
-    assert rerun.attempt == 2 and rerun.chains_skipped == 5 and rerun.prompt_tokens == 0
+    assert rerun.run_id != summary.run_id and rerun.attempt == 1
+    assert rerun.chains_skipped == 5 and rerun.prompt_tokens == 0
+    assert (rerun.changes.previous_run_id, rerun.changes.unchanged) == (summary.run_id, 4)
     again = duckdb.sql(f"SELECT * FROM '{rerun.outputs['answers']}'").df()
+    assert (again.answered_in_run == summary.run_id).all() and (again.run_id == rerun.run_id).all()
     by_chain = ["source_uri", "question_id"]
     assert again.sort_values(by_chain).raw_response.tolist() == (
         answers.sort_values(by_chain).raw_response.tolist()
     )
+
+
+@pytest.mark.engine
+def test_a_grown_corpus_computes_only_its_new_and_changed_documents_with_the_real_engine(
+    ray_session: None, corpora: Path, tmp_path: Path
+) -> None:
+    """Two nightly runs with the real engine: between them a document is added and one changes;
+    the second run computes those two only and carries the third's answer forward."""
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    (inputs / "rfc.txt").write_text(excerpt_of_text(corpora, 2000))
+    (inputs / "apache.log").write_text(excerpt_of_log(corpora, 6))
+    spec = job(sources=[str(inputs)], questions=[QUESTION], output=str(tmp_path / "out"))
+    first = run_job(spec)
+    assert first.ok and first.changes.new == 2
+    before = pd.read_parquet(first.outputs["answers"]).set_index("name")
+
+    (inputs / "contract-page.pdf").write_bytes(one_page_pdf(corpora))
+    (inputs / "apache.log").write_text(excerpt_of_log(corpora, 10))
+    second = run_job(spec)
+    assert second.ok and (second.attempt, second.chains_skipped) == (1, 1)
+    assert second.changes == DocumentChanges(first.run_id, new=1, changed=1, unchanged=1)
+    answers = pd.read_parquet(second.outputs["answers"])
+    trajectory = pd.read_parquet(second.outputs["trajectory"])
+    assert_complete_trajectories(answers, trajectory)
+    by_name = answers.set_index("name")
+    assert by_name.answered_in_run.to_dict() == {
+        "rfc.txt": first.run_id, "apache.log": second.run_id, "contract-page.pdf": second.run_id,
+    }  # fmt: skip
+    assert by_name.loc["rfc.txt", "raw_response"] == before.loc["rfc.txt", "raw_response"]
+    computed = trajectory[trajectory.source_uri != by_name.loc["rfc.txt", "source_uri"]]
+    assert second.prompt_tokens == computed.prompt_tokens.sum()  # the engine read no more
+    superseded = pd.read_parquet(second.outputs["superseded"])
+    assert superseded[["name", "change", "run_id"]].values.tolist() == [
+        ["apache.log", "changed", first.run_id]
+    ]
+    assert superseded.chain_key.tolist() == [before.loc["apache.log", "chain_key"]]
 
 
 def assert_report_shows_the_run(folder: Path, answers: pd.DataFrame, errors: pd.DataFrame) -> None:

@@ -1,20 +1,41 @@
 """The state store's schema life: Alembic migrations (a new database, a database made before
-migrations existed, a second run) and the Serve job claim, which never hands a job to two
-replicas, on SQLite and PostgreSQL."""
+migrations existed, one at the first revision with rows, a second run; the migrated schema is
+`schema.py`'s), the Serve job claim, which never hands a job to two replicas, and the run lock,
+which never lets two runs hold one archive, on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.config import Config
+from alembic.migration import MigrationContext
 
-from connectors.state import schema
-from connectors.state.records import NewJob
-from connectors.state.store import StateStore
+from connectors.state import locks, schema
+from connectors.state.records import LockHolder, NewJob
+from connectors.state.store import MIGRATIONS, StateStore
 
 TABLES = {table.name for table in schema.metadata.sorted_tables}
+HEAD = "0002"
+
+
+def migrate_to(url: str, revision: str) -> None:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    engine = sa.create_engine(url)
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
+    engine.dispose()
 
 
 def alembic_revision(url: str) -> list[str]:
@@ -32,7 +53,7 @@ def test_a_new_database_gets_every_table_at_the_newest_revision(tmp_path: Path) 
     store.close()
     tables = set(sa.inspect(sa.create_engine(url)).get_table_names())
     assert tables == TABLES | {"alembic_version"}
-    assert alembic_revision(url) == ["0001"]
+    assert alembic_revision(url) == [HEAD]
 
 
 def test_a_database_made_before_migrations_keeps_its_rows_and_gains_the_missing_tables(
@@ -44,6 +65,7 @@ def test_a_database_made_before_migrations_keeps_its_rows_and_gains_the_missing_
     old_tables = [schema.jobs, schema.events, schema.chains, schema.steps]
     schema.metadata.create_all(engine, tables=old_tables)
     with engine.begin() as connection:
+        connection.exec_driver_sql("ALTER TABLE chains DROP COLUMN answered_in_run")  # newer
         connection.execute(
             sa.insert(schema.jobs).values(
                 job_id="j1", status="queued", name="a.txt", source="upload:a.txt",
@@ -58,7 +80,7 @@ def test_a_database_made_before_migrations_keeps_its_rows_and_gains_the_missing_
     store.close()
     assert job is not None and job.questions == ("Q?",)
     assert set(sa.inspect(sa.create_engine(url)).get_table_names()) == TABLES | {"alembic_version"}
-    assert alembic_revision(url) == ["0001"]
+    assert alembic_revision(url) == [HEAD]
 
 
 @pytest.mark.parametrize("database", ["sqlite", pytest.param("postgres", marks=pytest.mark.server)])
@@ -92,3 +114,126 @@ def test_replicas_claiming_at_once_never_get_the_same_job(
     assert sorted(ours) == sorted(created)  # each job exactly once
     assert len(ours) == len(set(ours))
     setup.close()
+
+
+def test_the_migrated_schema_is_the_one_the_code_uses(empty_store_url: str) -> None:
+    StateStore(empty_store_url).migrate()
+    engine = sa.create_engine(empty_store_url)
+    with engine.connect() as connection:
+        differences = compare_metadata(MigrationContext.configure(connection), schema.metadata)
+    engine.dispose()
+    assert differences == []
+
+
+def test_a_database_at_the_first_revision_keeps_its_runs_and_answers(empty_store_url: str) -> None:
+    """Revision 0002 on a database of 0001 with a finished run: the run's id was its job key,
+    and its answered chains were answered by it."""
+    migrate_to(empty_store_url, "0001")
+    engine = sa.create_engine(empty_store_url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            "INSERT INTO runs (run_id, attempt, status, created_at, started_at)"
+            " VALUES ('run-0123456789ab', 1, 'done', 1.0, 1.0)"
+        )
+        for key, status in (("k-done", "done"), ("k-failed", "failed")):
+            connection.exec_driver_sql(
+                "INSERT INTO chains (chain_key, run_id, doc_id, source_uri, question_id, question,"
+                " status, step, n_segments, n_tokens, prompt_tokens, completion_tokens,"
+                f" compute_s, created_at, updated_at) VALUES ('{key}', 'run-0123456789ab', 'd',"
+                f" 'file:///a', 'q0', 'Q?', '{status}', 1, 1, 9, 0, 0, 0.0, 1.0, 1.0)"
+            )
+    StateStore(empty_store_url).migrate()
+    with engine.connect() as connection:
+        run = connection.execute(sa.select(schema.runs)).mappings().one()
+        chains = sa.select(schema.chains.c.chain_key, schema.chains.c.answered_in_run)
+        answered_in = {key: run_id for key, run_id in connection.execute(chains)}
+    engine.dispose()
+    assert alembic_revision(empty_store_url) == [HEAD]
+    assert (run["job_key"], run["archive_key"], run["status"]) == ("run-0123456789ab", None, "done")
+    assert answered_in == {"k-done": "run-0123456789ab", "k-failed": None}
+    # the job's next run is numbered after it
+    begun = StateStore(empty_store_url).begin_run(
+        None, {}, job_key="run-0123456789ab", archive_key="archive-x"
+    )
+    assert (begun.run_id, begun.attempt, begun.previous_run_id) == ("run-0123456789ab-2", 1, None)
+
+
+# --- the run lock -------------------------------------------------------------------------------
+
+
+def holder(owner: str, *, pid: int | None = None, host: str = "") -> LockHolder:
+    now = time.time()
+    return LockHolder(owner, host or socket.gethostname(), pid or os.getpid(), now, now + 60)
+
+
+def never_gone(holder: LockHolder) -> bool:
+    return False
+
+
+def test_a_run_lock_has_one_holder_until_released_or_its_lease_runs_out(
+    migrated_store: StateStore,
+) -> None:
+    first = holder("first")
+    assert migrated_store.try_lock("archive-a", first, never_gone) is None
+    assert migrated_store.try_lock("archive-a", first, never_gone) is None  # its own: still its
+    assert migrated_store.try_lock("archive-a", holder("second"), never_gone) == first
+    assert migrated_store.try_lock("archive-b", holder("second"), never_gone) is None  # another
+    assert not migrated_store.renew_lock("archive-a", "second", time.time() + 60)
+    assert migrated_store.renew_lock("archive-a", "first", time.time() - 1)  # a lease run out
+    assert migrated_store.try_lock("archive-a", holder("third"), never_gone) is None
+    assert not migrated_store.renew_lock("archive-a", "first", time.time() + 60)  # taken over
+    migrated_store.release_lock("archive-a", "first")  # not its holder: nothing happens
+    assert migrated_store.try_lock("archive-a", holder("fourth"), never_gone).owner == "third"
+    migrated_store.release_lock("archive-a", "third")
+    assert migrated_store.try_lock("archive-a", holder("fourth"), never_gone) is None
+
+
+def test_a_lock_whose_holder_died_on_this_host_is_taken_over_at_once(
+    migrated_store: StateStore,
+) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_holder = holder("dead", pid=int(dead.stdout))
+    assert migrated_store.try_lock("archive-a", dead_holder, never_gone) is None
+    alive = holder("alive")
+    assert migrated_store.try_lock("archive-a", holder("next"), locks.is_gone) is None
+    assert migrated_store.try_lock("archive-a", alive, locks.is_gone).owner == "next"
+    # a holder on another host is trusted until its lease runs out
+    far = holder("far", pid=1, host="elsewhere")
+    assert migrated_store.try_lock("archive-b", far, never_gone) is None
+    assert migrated_store.try_lock("archive-b", alive, locks.is_gone).owner == "far"
+
+
+def test_a_second_holder_waits_with_one_line_until_the_first_releases(
+    migrated_store: StateStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    order: list[str] = []
+    first_holds, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        with locks.holding(migrated_store, "archive-a", poll_s=0.05):
+            order.append("first in")
+            first_holds.set()
+            release.wait(30)
+            order.append("first out")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert first_holds.wait(30)
+    threading.Timer(1.0, release.set).start()
+    with (
+        caplog.at_level("WARNING", logger="connectors.state.locks"),
+        locks.holding(migrated_store, "archive-a", poll_s=0.05),
+    ):
+        order.append("second in")
+    thread.join(30)
+    assert order == ["first in", "first out", "second in"]
+    waiting = [r.getMessage() for r in caplog.records if "waiting for it to finish" in r.message]
+    assert len(waiting) == 1 and f"pid {os.getpid()} on {socket.gethostname()}" in waiting[0]
+
+
+def test_a_held_lock_is_renewed_while_its_holder_runs(migrated_store: StateStore) -> None:
+    with locks.holding(migrated_store, "archive-a", lease_s=0.4) as mine:
+        time.sleep(1.0)  # past the first lease: renewed every 0.1 s
+        assert migrated_store.try_lock("archive-a", holder("other"), never_gone).owner == mine.owner
+    assert migrated_store.try_lock("archive-a", holder("other"), never_gone) is None

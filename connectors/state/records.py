@@ -73,6 +73,39 @@ class ErrorRecord:
 
 
 @dataclass(frozen=True)
+class RunStart:
+    """The run an invocation of a job works on: a new one, or the unfinished one it resumes."""
+
+    run_id: str
+    attempt: int  # 1 for a new run
+    previous_run_id: str | None  # the last finished run over the same archive before it
+
+
+@dataclass(frozen=True)
+class DocumentChanges:
+    """A run's documents against the previous finished run over the same archive, by source
+    URI, and by content sha256 for the documents both answered. A document that cannot be read
+    now counts in neither, and is not removed."""
+
+    previous_run_id: str | None = None
+    new: int = 0  # not answered by the previous run
+    changed: int = 0  # other content
+    unchanged: int = 0  # the same content: its answers carried forward, unless asked anew
+    removed: int = 0  # answered by the previous run, no longer listed
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds an archive's run lock, and until when unless renewed."""
+
+    owner: str  # a token of the holding process
+    host: str
+    pid: int
+    acquired_at: float
+    expires_at: float
+
+
+@dataclass(frozen=True)
 class RunProgress:
     steps_done: int
     steps_planned: int

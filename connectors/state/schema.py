@@ -1,7 +1,11 @@
 """The state store's tables, one schema for the corpus job and the Serve job queue.
 
-- A corpus run: `runs` (one row per run, its attempt number), and its membership tables
-  `documents`, `run_chains` and `errors`, each row stamped with the attempt that saw it.
+- A corpus run: `runs` (one row per run, its attempt number, the job it runs and the archive it
+  reads, and the previous finished run over that archive), and its membership tables
+  `documents`, `run_chains` and `errors`, each row stamped with the attempt that saw it. A
+  `run_chains` row of an earlier run names the run that replaced its answer (`superseded_by`).
+- `run_locks`: one row per archive being run over, held by one process on a lease, so two runs
+  over the same archive never overlap.
 - A chain, wherever it runs: `chains` (its checkpoint: the next step and the memory after the
   last one), `steps` (one row per model call: the trajectory), `rejected_quotes` (the reply lines
   a verifying memory policy dropped) and `groundings` (where its answer is found in the source).
@@ -27,8 +31,13 @@ from sqlalchemy import (
     Text,
 )
 
-# A chain: pending -> running -> done | failed. A run: running -> done | failed.
+# A chain: pending -> running -> done | failed.
 PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+# A run: running -> done | done_with_errors | failed; a failed or killed (still "running") run
+# is resumed by the next run of the same job, or abandoned when the next run is another job's.
+DONE_WITH_ERRORS, ABANDONED = "done_with_errors", "abandoned"
+FINISHED_RUN = (DONE, DONE_WITH_ERRORS)
+UNFINISHED_RUN = (RUNNING, FAILED)
 # A Serve job: queued -> running -> succeeded | failed | cancelled.
 QUEUED, SUCCEEDED, CANCELLED = "queued", "succeeded", "cancelled"
 UNFINISHED_JOB = (QUEUED, RUNNING)
@@ -46,6 +55,10 @@ runs = Table(
     Column("created_at", Float, nullable=False),
     Column("started_at", Float, nullable=False),
     Column("finished_at", Float),
+    # What the run computes (sources, questions, model, method, output): the run id's prefix.
+    Column("job_key", String(64)),
+    Column("archive_key", String(64), index=True),  # what it reads and where it writes
+    Column("previous_run_id", String(64)),  # the last finished run over the archive before it
 )
 
 chains = Table(
@@ -53,6 +66,7 @@ chains = Table(
     metadata,
     Column("chain_key", String(64), primary_key=True),
     Column("run_id", String(64), nullable=False),  # the run that last planned it
+    Column("answered_in_run", String(64)),  # the run that was planning it when it was answered
     Column("doc_id", String(64), nullable=False),
     Column("source_uri", Text, nullable=False),
     Column("question_id", String(128), nullable=False),
@@ -121,6 +135,20 @@ run_chains = Table(
     Column("chain_key", String(64), nullable=False, index=True),
     Column("question", Text, nullable=False),
     Column("updated_at", Float, nullable=False),
+    # The later run over the archive whose answer replaced this one: the document changed or
+    # was removed, or it was answered anew (another model, method or wording of the question).
+    Column("superseded_by", String(64)),
+)
+
+run_locks = Table(
+    "run_locks",
+    metadata,
+    Column("lock_key", String(64), primary_key=True),  # the archive key
+    Column("owner", String(64), nullable=False),  # a token of the holding process
+    Column("host", String(255), nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("acquired_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),  # renewed while the holder lives
 )
 
 # Where each answered chain's answer and memory are found in the source (pipeline.core.evidence).

@@ -12,6 +12,9 @@ and a resumed job has exactly one event per step. Jobs are claimed with `SELECT 
 SKIP LOCKED` on PostgreSQL; on SQLite, where every write transaction begins with `BEGIN
 IMMEDIATE`, the claim holds the database's write lock instead.
 
+A corpus run over an archive holds the archive's row of `run_locks` on a lease for as long as
+it runs (`connectors.state.locks`), so two runs over one archive never overlap.
+
 The store is picklable: each process opens its own connection pools on first use.
 """
 
@@ -33,13 +36,16 @@ from sqlalchemy import (
     Join,
     Table,
     and_,
+    case,
     create_engine,
+    delete,
     event,
     func,
     insert,
     or_,
     select,
     text,
+    union,
     update,
 )
 from sqlalchemy.engine import URL, Connection, Engine, RowMapping, make_url
@@ -49,24 +55,30 @@ from connectors.sql import redacted, with_default_driver
 from connectors.state.records import (
     ChainState,
     Checkpoint,
+    DocumentChanges,
     DocumentRecord,
     ErrorRecord,
     Event,
     JobInput,
     JobState,
+    LockHolder,
     NewJob,
     RunProgress,
+    RunStart,
     StepCheckpoint,
 )
 from connectors.state.schema import (
+    ABANDONED,
     CANCELLED,
     DONE,
     FAILED,
     FINISHED_JOB,
+    FINISHED_RUN,
     PENDING,
     QUEUED,
     RUNNING,
     UNFINISHED_JOB,
+    UNFINISHED_RUN,
     chains,
     documents,
     errors,
@@ -75,6 +87,7 @@ from connectors.state.schema import (
     jobs,
     rejected_quotes,
     run_chains,
+    run_locks,
     runs,
     steps,
 )
@@ -173,30 +186,75 @@ class StateStore:
 
     # --- corpus runs: planning (segment stage) and membership -----------------------------
 
-    def begin_run(self, run_id: str, summary: Mapping[str, Any]) -> int:
-        """Registers an attempt of the run and returns its number (1 for a new run)."""
+    def begin_run(
+        self,
+        run_id: str | None,
+        summary: Mapping[str, Any],
+        *,
+        job_key: str | None = None,
+        archive_key: str | None = None,
+    ) -> RunStart:
+        """Registers an attempt of a run. With `run_id`: of that run, new or not. Without: of
+        job `job_key` over `archive_key`, whose latest run is resumed (its next attempt) when it
+        is this job's and unfinished (failed, or killed while running); else a new run
+        `<job_key>-<n>` begins, and an unfinished run of another job is abandoned. A new run's
+        previous run is the last finished one over the archive. Call it holding the archive's
+        lock (`connectors.state.locks`): then no other process runs what it resumes."""
         now = time.time()
         with self._write() as connection:
-            found = connection.execute(
-                select(runs.c.attempt).where(runs.c.run_id == run_id)
-            ).scalar_one_or_none()
-            attempt = 1 if found is None else found + 1
-            _upsert(
-                connection,
-                runs,
-                {
-                    "run_id": run_id,
-                    "attempt": attempt,
-                    "status": RUNNING,
-                    "summary": json.dumps(summary, sort_keys=True, default=str),
-                    "created_at": now,
-                    "started_at": now,
-                    "finished_at": None,
-                },
-                keys=["run_id"],
-                update=["attempt", "status", "summary", "started_at", "finished_at"],
+            over_archive = (
+                select(runs.c.run_id, runs.c.status, runs.c.job_key)
+                .where(runs.c.archive_key == archive_key)
+                .order_by(runs.c.created_at.desc())
             )
-        return attempt
+            if run_id is None:
+                if job_key is None or archive_key is None:
+                    raise ValueError("begin_run needs a run_id, or a job_key and an archive_key")
+                latest = connection.execute(over_archive.limit(1)).first()
+                unfinished = latest is not None and latest.status in UNFINISHED_RUN
+                if unfinished and latest.job_key == job_key:
+                    run_id = latest.run_id
+                else:
+                    if unfinished:
+                        connection.execute(
+                            update(runs)
+                            .where(runs.c.run_id == latest.run_id)
+                            .values(status=ABANDONED)
+                        )
+                    run_id = _next_run_id(connection, job_key)
+            found = connection.execute(
+                select(runs.c.attempt, runs.c.previous_run_id).where(runs.c.run_id == run_id)
+            ).first()
+            values = {
+                "status": RUNNING,
+                "summary": json.dumps(summary, sort_keys=True, default=str),
+                "started_at": now,
+                "finished_at": None,
+            }
+            if found is not None:
+                attempt = found.attempt + 1
+                connection.execute(
+                    update(runs).where(runs.c.run_id == run_id).values(attempt=attempt, **values)
+                )
+                return RunStart(run_id, attempt, found.previous_run_id)
+            previous = None
+            if archive_key is not None:
+                previous = connection.execute(
+                    over_archive.where(runs.c.status.in_(FINISHED_RUN)).limit(1)
+                ).first()
+            previous_run_id = None if previous is None else previous.run_id
+            connection.execute(
+                insert(runs).values(
+                    run_id=run_id,
+                    attempt=1,
+                    created_at=now,
+                    job_key=job_key,
+                    archive_key=archive_key,
+                    previous_run_id=previous_run_id,
+                    **values,
+                )
+            )
+        return RunStart(run_id, 1, previous_run_id)
 
     def finish_run(self, run_id: str, status: str) -> None:
         with self._write() as connection:
@@ -205,6 +263,122 @@ class StateStore:
                 .where(runs.c.run_id == run_id)
                 .values(status=status, finished_at=time.time())
             )
+
+    def try_lock(
+        self, key: str, holder: LockHolder, is_gone: Callable[[LockHolder], bool]
+    ) -> LockHolder | None:
+        """Takes lock `key` for `holder` when it is free, its lease has run out by
+        `holder.acquired_at`, or `is_gone` says its holder no longer lives; returns None then,
+        else who holds it."""
+        row = {"lock_key": key, **asdict(holder)}
+        with self._write() as connection:
+            _upsert(connection, run_locks, row, keys=["lock_key"], update=[])
+            current = (
+                connection.execute(
+                    select(run_locks).where(run_locks.c.lock_key == key).with_for_update()
+                )
+                .mappings()
+                .one()
+            )
+            held = LockHolder(**{name: current[name] for name in asdict(holder)})
+            if held.owner == holder.owner:
+                return None
+            if held.expires_at > holder.acquired_at and not is_gone(held):
+                return held
+            connection.execute(
+                update(run_locks)
+                .where(and_(run_locks.c.lock_key == key, run_locks.c.owner == held.owner))
+                .values(asdict(holder))
+            )
+        return None
+
+    def renew_lock(self, key: str, owner: str, expires_at: float) -> bool:
+        """Extends the lease of a lock `owner` holds; False when it no longer holds it."""
+        with self._write() as connection:
+            renewed = connection.execute(
+                update(run_locks)
+                .where(and_(run_locks.c.lock_key == key, run_locks.c.owner == owner))
+                .values(expires_at=expires_at)
+            ).rowcount
+        return renewed == 1
+
+    def release_lock(self, key: str, owner: str) -> None:
+        with self._write() as connection:
+            connection.execute(
+                delete(run_locks).where(
+                    and_(run_locks.c.lock_key == key, run_locks.c.owner == owner)
+                )
+            )
+
+    def supersede_previous(self, run_id: str, attempt: int) -> DocumentChanges:
+        """Compares the run's attempt with the previous finished run over its archive: marks
+        that run's answers rows this one replaced (`superseded_by`: the same document and
+        question with another chain, or a document no longer listed) and counts the documents
+        new, changed, unchanged and removed. Idempotent: a rerun of the attempt marks anew."""
+        with self._write() as connection:
+            previous_run_id = connection.execute(
+                select(runs.c.previous_run_id).where(runs.c.run_id == run_id)
+            ).scalar()
+            if previous_run_id is None:
+                return DocumentChanges(new=_count_documents(connection, run_id, attempt))
+            previous_attempt = connection.execute(
+                select(runs.c.attempt).where(runs.c.run_id == previous_run_id)
+            ).scalar_one()
+            listed = _listed(run_id, attempt)
+            now = run_chains.alias("now")
+            answered_anew = (
+                select(now.c.chain_key)
+                .where(
+                    now.c.run_id == run_id,
+                    now.c.attempt == attempt,
+                    now.c.source_uri == run_chains.c.source_uri,
+                    now.c.question_id == run_chains.c.question_id,
+                    now.c.chain_key != run_chains.c.chain_key,
+                )
+                .exists()
+            )
+            connection.execute(
+                update(run_chains)
+                .where(run_chains.c.superseded_by == run_id)
+                .values(superseded_by=None)
+            )
+            connection.execute(
+                update(run_chains)
+                .where(
+                    _of_attempt(previous_run_id, previous_attempt),
+                    or_(answered_anew, run_chains.c.source_uri.not_in(listed)),
+                )
+                .values(superseded_by=run_id)
+            )
+            current, before = documents.alias("current"), documents.alias("before")
+            new, changed, unchanged = connection.execute(
+                select(
+                    func.count().filter(before.c.source_uri.is_(None)),
+                    func.count().filter(before.c.content_sha256 != current.c.content_sha256),
+                    func.count().filter(before.c.content_sha256 == current.c.content_sha256),
+                )
+                .select_from(
+                    current.outerjoin(
+                        before,
+                        and_(
+                            before.c.run_id == previous_run_id,
+                            before.c.attempt == previous_attempt,
+                            before.c.source_uri == current.c.source_uri,
+                        ),
+                    )
+                )
+                .where(current.c.run_id == run_id, current.c.attempt == attempt)
+            ).one()
+            removed = connection.execute(
+                select(func.count())
+                .select_from(before)
+                .where(
+                    before.c.run_id == previous_run_id,
+                    before.c.attempt == previous_attempt,
+                    before.c.source_uri.not_in(listed),
+                )
+            ).scalar_one()
+        return DocumentChanges(previous_run_id, new, changed, unchanged, removed)
 
     def plan_document(
         self,
@@ -364,6 +538,7 @@ class StateStore:
                 run_chains.c.question,
                 run_chains.c.chain_key,
                 chains.c.status,
+                chains.c.answered_in_run,
                 chains.c.answer,
                 chains.c.raw_response,
                 chains.c.memory.label("final_memory"),
@@ -432,6 +607,53 @@ class StateStore:
             )
             .where(and_(errors.c.run_id == run_id, errors.c.attempt == attempt))
             .order_by(errors.c.source_uri, errors.c.stage)
+        )
+        return self._stream(query)
+
+    def superseded(self, run_id: str, attempt: int) -> Iterator[dict[str, Any]]:
+        """The earlier run's answers rows that the run's attempt superseded, with why: the
+        document `changed` or was `removed`, or was `answered anew` with the same content."""
+        before, current = documents.alias("before"), documents.alias("current")
+        query = (
+            select(
+                run_chains.c.run_id,
+                chains.c.answered_in_run,
+                run_chains.c.superseded_by,
+                case(
+                    (current.c.source_uri.is_(None), "removed"),
+                    (current.c.content_sha256 != before.c.content_sha256, "changed"),
+                    else_="answered anew",
+                ).label("change"),
+                before.c.doc_id,
+                before.c.name,
+                run_chains.c.source_uri,
+                run_chains.c.question_id,
+                run_chains.c.question,
+                chains.c.status,
+                chains.c.answer,
+                before.c.content_sha256,
+                run_chains.c.chain_key,
+            )
+            .select_from(
+                _joined(chains)
+                .join(
+                    before,
+                    and_(
+                        before.c.run_id == run_chains.c.run_id,
+                        before.c.source_uri == run_chains.c.source_uri,
+                    ),
+                )
+                .outerjoin(
+                    current,
+                    and_(
+                        current.c.run_id == run_id,
+                        current.c.attempt == attempt,
+                        current.c.source_uri == run_chains.c.source_uri,
+                    ),
+                )
+            )
+            .where(run_chains.c.superseded_by == run_id)
+            .order_by(run_chains.c.source_uri, run_chains.c.question_id)
         )
         return self._stream(query)
 
@@ -871,6 +1093,7 @@ def write_step(connection: Connection, checkpoint: StepCheckpoint) -> None:
     }
     if checkpoint.done:
         chain_values |= {
+            "answered_in_run": chains.c.run_id,
             "answer": checkpoint.answer,
             "raw_response": checkpoint.raw_response,
             "finished_at": now,
@@ -1070,6 +1293,36 @@ def _with_documents(table: Table) -> Join:
 
 def _of_attempt(run_id: str, attempt: int) -> ColumnElement[bool]:
     return and_(run_chains.c.run_id == run_id, run_chains.c.attempt == attempt)
+
+
+def _listed(run_id: str, attempt: int) -> Any:
+    """The source URIs the run's attempt listed: answered or in errors."""
+    return union(
+        select(documents.c.source_uri).where(
+            documents.c.run_id == run_id, documents.c.attempt == attempt
+        ),
+        select(errors.c.source_uri).where(errors.c.run_id == run_id, errors.c.attempt == attempt),
+    )
+
+
+def _count_documents(connection: Connection, run_id: str, attempt: int) -> int:
+    return connection.execute(
+        select(func.count())
+        .select_from(documents)
+        .where(documents.c.run_id == run_id, documents.c.attempt == attempt)
+    ).scalar_one()
+
+
+def _next_run_id(connection: Connection, job_key: str) -> str:
+    """`<job_key>-<n>`, n one more than the job's runs so far (and unused)."""
+    number = connection.execute(
+        select(func.count()).select_from(runs).where(runs.c.job_key == job_key)
+    ).scalar_one()
+    while True:
+        number += 1
+        run_id = f"{job_key}-{number}"
+        if connection.execute(select(runs.c.run_id).where(runs.c.run_id == run_id)).first() is None:
+            return run_id
 
 
 def _statuses(connection: Connection, chain_keys: Sequence[str]) -> dict[str, str]:

@@ -3,11 +3,13 @@
 One task per run: it builds the job spec from the job file named by the Airflow Variable
 `memstream_job` (default: the file beside this DAG, `job.yaml`), sets its sources to the
 prefix given in the DAG's params, calls the documented entry point `pipeline.job.run_job`, and
-returns the run summary, which Airflow pushes to XCom. Retries are safe: a rerun of the same
-spec resumes its run (answered chains are skipped, the others resume from their checkpoints).
-A job file that is not a valid job fails the task at once, without retries: a retry would read
-the same file.
-`max_active_runs=1`: two nightly runs never overlap, the second waits.
+returns the run summary, which Airflow pushes to XCom. Each night is a run of its own that
+computes only the prefix's new and changed documents (its summary counts new, changed,
+unchanged and removed ones). Retries are safe: a retry resumes the failed run (answered chains
+are skipped, the others resume from their checkpoints). A job file that is not a valid job
+fails the task at once, without retries: a retry would read the same file.
+`max_active_runs=1`: two nightly runs never overlap, the second waits; a run over the same
+prefix and output started elsewhere waits on the state store's lock too.
 """
 
 from __future__ import annotations

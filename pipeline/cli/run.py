@@ -60,7 +60,8 @@ def register(subparsers: Any) -> None:
         description=(
             "Run a corpus job: read every document of the sources, answer every question about "
             "each, and write answers, trajectories and errors as Parquet under OUTPUT/RUN_ID/. "
-            "Rerunning the same job resumes it."
+            "Each run is a new run id that computes only new and changed documents and carries "
+            "the other answers forward; a run after a crash resumes the unfinished run."
         ),
         argument_default=argparse.SUPPRESS,
     )
@@ -182,11 +183,13 @@ def summary_table(summary: RunSummary) -> Table:
         ("documents", f"{summary.documents:,}"),
         ("  answered", f"{summary.documents_answered:,}"),
         ("  failed (see errors)", f"{summary.documents_failed:,}"),
+        ("  new, changed, unchanged, removed", changes_line(summary)),
+        ("  compared with", summary.changes.previous_run_id or "no earlier run over these inputs"),
         ("chains (document x question)", f"{summary.chains:,}"),
         ("  done", f"{summary.chains_done:,}"),
         ("  failed", f"{summary.chains_failed:,}"),
         ("  resumed from a checkpoint", f"{summary.chains_resumed:,}"),
-        ("  answered by an earlier attempt", f"{summary.chains_skipped:,}"),
+        ("  answered before (carried forward)", f"{summary.chains_skipped:,}"),
         (
             "tokens (prompt + completion)",
             f"{summary.prompt_tokens:,} + {summary.completion_tokens:,}",
@@ -207,3 +210,8 @@ def summary_table(summary: RunSummary) -> Table:
     for label, value in rows:
         table.add_row(label, value)
     return table
+
+
+def changes_line(summary: RunSummary) -> str:
+    changes = summary.changes
+    return f"{changes.new:,}, {changes.changed:,}, {changes.unchanged:,}, {changes.removed:,}"
