@@ -32,6 +32,7 @@ from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec
 from pipeline.runner import ChainRunner
+from tests.chat_server import JsonHandler
 from tests.processes import ServerNotReady, ServerProcess, engine_cores, free_port, http_ok
 
 pytestmark = pytest.mark.engine
@@ -225,21 +226,6 @@ def test_openai_adapter_reports_an_unreachable_server() -> None:
         asyncio.run(engine.check())
     with pytest.raises(EngineUnhealthy, match=r"cannot reach .* is the server running"):
         asyncio.run(engine.check_health())
-
-
-class JsonHandler(http.server.BaseHTTPRequestHandler):
-    """A real HTTP peer for the OpenAI adapter's tests: replies with JSON, logs nothing."""
-
-    def reply(self, status: int, body: bytes) -> None:
-        with contextlib.suppress(OSError):  # the client may have given up waiting
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 class ModelListServer(JsonHandler):
