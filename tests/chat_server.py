@@ -19,8 +19,11 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
+from pipeline.job import JobSpec
+from tests.conftest import TEST_MODEL
 from tests.fake_engine import reply_to
 from tests.processes import free_port
 
@@ -142,3 +145,61 @@ class FactChatServer:
                         time.sleep(0.3)
 
         return Handler
+
+
+QUESTION = "Which facts do the reports hold?"
+
+
+def reports(count: int = 2, lines: int = 6) -> dict[str, tuple[str, set[str]]]:
+    """`count` reports of `lines` lines, each line with a fact: name -> (text, its facts)."""
+    made = {}
+    for index in range(count):
+        rows = [
+            f"Line {k} of report {index} notes fact-r{index}l{k} in passing." for k in range(lines)
+        ]
+        made[f"report-{index}.txt"] = (
+            "\n".join(rows) + "\n",
+            {f"fact-r{index}l{k}" for k in range(lines)},
+        )
+    return made
+
+
+def write_reports(folder: Path, count: int = 2) -> dict[str, set[str]]:
+    """The reports as files in `folder`; returns each one's facts."""
+    folder.mkdir()
+    for name, (text, _) in reports(count).items():
+        (folder / name).write_text(text)
+    return {name: facts for name, (_, facts) in reports(count).items()}
+
+
+def fact_job(
+    server: FactChatServer,
+    sources: list[Any],
+    output: str | dict[str, Any],
+    engine: dict[str, Any] | None = None,
+    **fields: Any,
+) -> JobSpec:
+    """A job on the server's model: segmented by the test model's tokenizer, in segments that
+    end at a line's end (no fact is cut in two), with room for every fact in the memory."""
+    return JobSpec.from_dict(
+        {
+            "sources": sources,
+            "questions": [QUESTION],
+            "output": output,
+            "engine": {
+                "kind": "openai",
+                "model": TEST_MODEL,
+                "served_model": server.model,
+                "base_url": server.base_url,
+                **(engine or {}),
+            },
+            "method": {
+                "template": "memagent-reference",
+                "chunk_size": 32,
+                "snap_window": 24,
+                "max_memory_tokens": 96,
+                "max_answer_tokens": 48,
+            },
+            **fields,
+        }
+    )

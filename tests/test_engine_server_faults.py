@@ -17,13 +17,13 @@ import pandas as pd
 import pytest
 
 from pipeline.engines.openai_http import call_deadline_s
-from pipeline.job import JobError, JobSpec, run_job
-from tests.chat_server import FactChatServer
-from tests.conftest import TEST_MODEL
+from pipeline.job import JobError, run_job
+from tests.chat_server import FactChatServer, fact_job, write_reports
+from tests.conftest import local_ray
 from tests.fake_engine import FACT
 
-QUESTION = "Which facts do the reports hold?"
 TIMEOUT_S, MAX_RETRIES = 1.0, 2
+SERVER_LIMITS = {"timeout_s": TIMEOUT_S, "max_retries": MAX_RETRIES}
 FAULT_AT_REQUEST = 3  # the first two model calls are answered, then the fault starts
 # The chain's reason for each fault, as the answers row's `error` has it.
 REASONS = {
@@ -39,13 +39,8 @@ ATTEMPTS_SEEN = {"down": 0, "500": 3, "slow": 3, "trickle": 1}
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    import ray
-
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_worker_niceness", "0")
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 @pytest.fixture
@@ -53,45 +48,6 @@ def chat_server() -> Iterator[FactChatServer]:
     server = FactChatServer(slow_s=3 * TIMEOUT_S).start()
     yield server
     server.stop()
-
-
-def reports(folder: Path, count: int = 2, lines: int = 6) -> dict[str, set[str]]:
-    """`count` reports of `lines` lines, each line with a fact; returns each one's facts."""
-    folder.mkdir()
-    facts = {}
-    for index in range(count):
-        name = f"report-{index}.txt"
-        rows = [
-            f"Line {k} of report {index} notes fact-r{index}l{k} in passing." for k in range(lines)
-        ]
-        (folder / name).write_text("\n".join(rows) + "\n")
-        facts[name] = {f"fact-r{index}l{k}" for k in range(lines)}
-    return facts
-
-
-def job_against(server: FactChatServer, inputs: Path, output: Path) -> JobSpec:
-    return JobSpec.from_dict(
-        {
-            "sources": [str(inputs)],
-            "questions": [QUESTION],
-            "output": str(output),
-            "engine": {
-                "kind": "openai",
-                "model": TEST_MODEL,  # its tokenizer segments the documents
-                "served_model": server.model,
-                "base_url": server.base_url,
-                "timeout_s": TIMEOUT_S,
-                "max_retries": MAX_RETRIES,
-            },
-            "method": {
-                "template": "memagent-reference",
-                "chunk_size": 32,
-                "snap_window": 24,  # segments end at a line's end: no fact is cut in two
-                "max_memory_tokens": 96,
-                "max_answer_tokens": 48,
-            },
-        }
-    )
 
 
 def test_the_call_deadline_is_every_attempt_and_the_backoff_between() -> None:
@@ -102,11 +58,13 @@ def test_the_call_deadline_is_every_attempt_and_the_backoff_between() -> None:
 def test_a_server_down_at_the_start_fails_the_job_before_anything_runs(
     chat_server: FactChatServer, tmp_path: Path
 ) -> None:
-    reports(tmp_path / "inputs")
+    write_reports(tmp_path / "inputs")
     chat_server.stop()
     started = time.monotonic()
     with pytest.raises(JobError, match=r"cannot reach http://127\.0\.0\.1:\d+/v1 .*server running"):
-        run_job(job_against(chat_server, tmp_path / "inputs", tmp_path / "out"))
+        run_job(
+            fact_job(chat_server, [str(tmp_path / "inputs")], str(tmp_path / "out"), SERVER_LIMITS)
+        )
     assert time.monotonic() - started < 15
     assert not (tmp_path / "out" / "memstream-state.sqlite").exists()  # no run was begun
 
@@ -115,8 +73,8 @@ def test_a_server_down_at_the_start_fails_the_job_before_anything_runs(
 def test_server_fault_mid_run_gives_failed_rows_then_a_rerun_finishes(
     ray_session: None, chat_server: FactChatServer, tmp_path: Path, fault: str
 ) -> None:
-    facts = reports(tmp_path / "inputs")
-    spec = job_against(chat_server, tmp_path / "inputs", tmp_path / "out")
+    facts = write_reports(tmp_path / "inputs")
+    spec = fact_job(chat_server, [str(tmp_path / "inputs")], str(tmp_path / "out"), SERVER_LIMITS)
 
     def inject(request: int) -> None:
         if request != FAULT_AT_REQUEST:
