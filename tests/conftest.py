@@ -117,14 +117,16 @@ def assert_clean_terminal(stdout: str, stderr: str) -> Path:
 
 @contextmanager
 def local_ray() -> Iterator[None]:
-    """A Ray session for a module's jobs, on two CPUs. Its workers run at nice 0 (Ray's 15
-    would starve them behind anything else on a shared machine) and inherit the environment
-    as it is now (start it after the fixtures that set AWS_* variables)."""
+    """A Ray session for a module's jobs, with four logical CPUs: a job that failed may leave
+    its memory-stage actor (one CPU) alive for a while, and with two the next job's read tasks
+    would wait for it. Its workers run at nice 0 (Ray's 15 would starve them behind anything
+    else on a shared machine) and inherit the environment as it is now (start it after the
+    fixtures that set AWS_* variables)."""
     import ray
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_worker_niceness", "0")
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
     try:
         yield
     finally:
