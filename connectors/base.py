@@ -17,6 +17,11 @@ class SourceError(RuntimeError):
     """A source that cannot be read, in one line: what is wrong and what to do about it."""
 
 
+class SourceUnavailable(SourceError):
+    """The source's service cannot be reached (after its retries): not a document's fault, so
+    it stops the job rather than becoming the document's errors row."""
+
+
 @runtime_checkable
 class Source(Protocol):
     """A source is read in shards: the driver asks for `shards()` (cheap and small: no

@@ -8,13 +8,25 @@ from urllib.parse import unquote, urlparse
 
 import pyarrow.fs as pafs
 
+# How every S3 call (the sources' listing with boto3 and reads with pyarrow, the outputs' writes)
+# rides out an outage: up to S3_MAX_ATTEMPTS attempts with the AWS SDKs' standard retry mode,
+# backing off 0-1 s, 0-2 s, 0-4 s ... (random, at most 20 s) between them: about half a minute
+# of retries in all, and at least a few seconds. Per job: `max_attempts` of an S3 source,
+# `s3_max_attempts` of the output.
+S3_MAX_ATTEMPTS = 10
+S3_CONNECT_TIMEOUT_S = 10.0
+S3_REQUEST_TIMEOUT_S = 60.0
+
 
 class OutputError(RuntimeError):
     """An output location that cannot be written, in one line: what is wrong and what to do."""
 
 
 def open_output(
-    uri: str, s3_endpoint_url: str | None = None, region: str | None = None
+    uri: str,
+    s3_endpoint_url: str | None = None,
+    region: str | None = None,
+    max_attempts: int = S3_MAX_ATTEMPTS,
 ) -> tuple[pafs.FileSystem, str]:
     """The filesystem and base path of a local folder, a file:// URI or s3://bucket/prefix.
 
@@ -24,10 +36,23 @@ def open_output(
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise OutputError(f"not an S3 URI: {uri!r}: write it as s3://bucket/prefix")
-        filesystem = pafs.S3FileSystem(endpoint_override=s3_endpoint_url, region=region)
+        filesystem = s3_filesystem(s3_endpoint_url, region, max_attempts)
         return filesystem, f"{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/")
     path = unquote(parsed.path) if parsed.scheme == "file" else uri
     return pafs.LocalFileSystem(), Path(path).expanduser().absolute().as_posix()
+
+
+def s3_filesystem(
+    endpoint_url: str | None, region: str | None, max_attempts: int = S3_MAX_ATTEMPTS
+) -> pafs.S3FileSystem:
+    """A pyarrow S3 filesystem with the retries above, credentials from the standard chain."""
+    return pafs.S3FileSystem(
+        endpoint_override=endpoint_url,
+        region=region,
+        connect_timeout=S3_CONNECT_TIMEOUT_S,
+        request_timeout=S3_REQUEST_TIMEOUT_S,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts),
+    )
 
 
 def check_output(filesystem: pafs.FileSystem, base: str) -> None:

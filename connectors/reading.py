@@ -12,7 +12,8 @@ of tiny ones many; Ray keeps blocks over 100 KiB in its object store, out of the
 
 A document that cannot be read becomes a row with its `error`, which the read stage records in
 the errors table. A shard that fails as a whole (a database or a bucket gone mid-listing, a
-line of JSON that does not parse) fails the read task, and with it the job, with its message.
+line of JSON that does not parse, a service unreachable past its retries: `SourceUnavailable`)
+fails the read task, and with it the job, with its message.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from connectors.base import Source, SourceError
+from connectors.base import Source, SourceError, SourceUnavailable
 from pipeline.core.document import DOCUMENT_SCHEMA, Document
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ def _fetched(source: Source, item: Document) -> Document:
         return item
     try:
         return replace(item, data=source.read_bytes(item))
+    except SourceUnavailable:
+        raise  # the shard, and with it the job, stops: a rerun reads the document again
     except SourceError as error:
         return replace(item, error=str(error))
     except OSError as error:

@@ -18,7 +18,13 @@ import pyarrow.fs as pafs
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-from connectors.base import SourceError, is_hidden, is_sidecar, parse_sidecar
+from connectors.base import SourceError, SourceUnavailable, is_hidden, is_sidecar, parse_sidecar
+from connectors.output import (
+    S3_CONNECT_TIMEOUT_S,
+    S3_MAX_ATTEMPTS,
+    S3_REQUEST_TIMEOUT_S,
+    s3_filesystem,
+)
 from pipeline.core.document import Document
 
 # pyarrow's names (in its OSError messages) of the AWS errors that mean the credentials are
@@ -62,8 +68,8 @@ class S3Source:
         uri: str,
         endpoint_url: str | None = None,
         region: str | None = None,
-        max_attempts: int = 8,
-        retry_mode: str = "adaptive",
+        max_attempts: int = S3_MAX_ATTEMPTS,
+        retry_mode: str = "standard",
         page_size: int = 1000,
     ) -> None:
         self.bucket, self.prefix = split_s3_uri(uri)
@@ -86,8 +92,8 @@ class S3Source:
         if self._client is None:
             config = Config(
                 retries={"mode": self.retry_mode, "max_attempts": self.max_attempts},
-                connect_timeout=10,
-                read_timeout=60,
+                connect_timeout=S3_CONNECT_TIMEOUT_S,
+                read_timeout=S3_REQUEST_TIMEOUT_S,
             )
             self._client = boto3.session.Session().client(
                 "s3", endpoint_url=self.endpoint_url, region_name=self.region, config=config
@@ -202,7 +208,10 @@ class S3Source:
                 "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and their rights"
             )
         if any(c in message for c in ARROW_UNREACHABLE_CODES):
-            return SourceError(f"cannot reach S3 for {where}{endpoint}: {_first_line(message)}")
+            return SourceUnavailable(
+                f"cannot reach S3 for {where}{endpoint} after {self.max_attempts} attempts: "
+                f"{_first_line(message)}"
+            )
         return SourceError(f"S3 error on {where}{endpoint}: {_first_line(message)}")
 
     def _error(self, error: Exception, where: str) -> SourceError:
@@ -228,19 +237,13 @@ class S3Source:
                 )
             message = error.response.get("Error", {}).get("Message", "")
             return SourceError(f"S3 error on {where}{endpoint}: {code} {message}".strip())
-        return SourceError(f"cannot reach S3 for {where}{endpoint}: {error}")
+        return SourceUnavailable(
+            f"cannot reach S3 for {where}{endpoint} after {self.max_attempts} attempts: {error}"
+        )
 
 
-@functools.cache
-def _s3_filesystem(endpoint_url: str | None, region: str | None, max_attempts: int) -> Any:
-    """One pyarrow S3 filesystem per process and settings (its AWS SDK client is costly)."""
-    return pafs.S3FileSystem(
-        endpoint_override=endpoint_url,
-        region=region,
-        connect_timeout=10,
-        request_timeout=60,
-        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=max_attempts),
-    )
+# One per process and settings: its AWS SDK client is costly.
+_s3_filesystem = functools.cache(s3_filesystem)
 
 
 def _first_line(message: str) -> str:

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pyarrow as pa
 
 from connectors.base import Source, SourceError
+from connectors.state.store import StateStoreError
 from operators.parsing import ParseError, parse_document
 from operators.parsing.base import check_char_limit
 from operators.run import RunContext
@@ -68,6 +69,8 @@ class ReadParseStage:
         except SourceError as error:
             self.run.record_error(document, stage, "SourceError", str(error))
             return None
+        except StateStoreError:  # not the document's fault: the job stops
+            raise
         except Exception as error:  # a bug or a library failure: one error row, not a crash
             logger.exception("cannot %s %s", stage, document.uri)
             message = str(error) or type(error).__name__

@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from connectors.state.store import DONE, DocumentRecord
+from connectors.state.store import DONE, DocumentRecord, StateStoreError
 from operators.run import RunContext, open_store
 from pipeline.core.document import Document, PlannedChain, documents_of, documents_table
 from pipeline.core.segmentation import segment, tokenize
@@ -40,6 +40,8 @@ class SegmentStage:
         for document in documents_of(batch):
             try:
                 plan = self._planned(document)
+            except StateStoreError:  # not the document's fault: the job stops
+                raise
             except Exception as error:  # one bad document never stops the job
                 logger.exception("cannot segment %s", document.uri)
                 message = str(error) or type(error).__name__

@@ -40,6 +40,7 @@ from platformdirs import user_cache_dir
 
 from connectors import OutputError, Source, SourceError, check_output, open_output, open_source
 from connectors.base import coerce_questions
+from connectors.output import S3_MAX_ATTEMPTS
 from connectors.reading import BLOCK_BYTES, SourceDatasource, estimated_bytes
 from connectors.results import ResultWriter, RunIdentity
 from connectors.state import locks
@@ -80,14 +81,21 @@ class JobError(ValueError):
     """A job that cannot run as specified; the message says what to fix."""
 
 
+class ExportError(RuntimeError):
+    """The run's tables could not be written to the output."""
+
+
 @dataclass(frozen=True)
 class OutputSpec:
     uri: str  # a local folder or s3://bucket/prefix
     s3_endpoint_url: str | None = None
+    s3_max_attempts: int = S3_MAX_ATTEMPTS  # of each S3 call (connectors.output)
 
     def __post_init__(self) -> None:
         if not self.uri.strip():
             raise ValueError("output.uri is empty: give a local folder or s3://bucket/prefix")
+        if self.s3_max_attempts < 1:
+            raise ValueError(f"s3_max_attempts must be at least 1, got {self.s3_max_attempts}")
 
     @property
     def is_local(self) -> bool:
@@ -250,7 +258,9 @@ def plan_job(spec: JobSpec) -> JobPlan:
         except SourceError as error:
             raise JobError(str(error)) from None
     try:
-        filesystem, base = open_output(spec.output.uri, spec.output.s3_endpoint_url)
+        filesystem, base = open_output(
+            spec.output.uri, spec.output.s3_endpoint_url, max_attempts=spec.output.s3_max_attempts
+        )
         check_output(filesystem, base)
     except OutputError as error:
         raise JobError(str(error)) from None
@@ -542,25 +552,31 @@ def _run(
     started_ray = _ensure_ray(plan.spec.ray_address)
     tally = _Tally()
     try:
-        dataset = _build_dataset(plan, run)
         with watching(plan.store, run_id, attempt, on_progress, progress_interval_s):
-            for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
-                tally.add(batch.to_pylist())
-    except SourceError as error:  # a shard that failed as a whole, in its read task
-        with contextlib.suppress(Exception):
-            plan.store.finish_run(run_id, FAILED)
-        raise JobError(_first_line(error)) from None
-    except BaseException:
+            _stream(plan, run, tally)
+        elapsed_s = time.perf_counter() - started
+        return _finish(plan, run, tally, elapsed_s, started_at)
+    except BaseException as error:
         with contextlib.suppress(Exception):  # keep the error that stopped the run
             plan.store.finish_run(run_id, FAILED)
-        raise
+        cause = _stopping_cause(error)
+        if cause is None:
+            raise
+        stopped = _first_line(cause)
     finally:
         if started_ray:
             import ray
 
             ray.shutdown()
-    elapsed_s = time.perf_counter() - started
-    return _finish(plan, run, tally, elapsed_s, started_at)
+    # Raised here, not in the except block: the JobError keeps no reference to the Ray error,
+    # whose traceback holds the stream's executor and its actors alive.
+    raise JobError(stopped)
+
+
+def _stream(plan: JobPlan, run: RunContext, tally: _Tally) -> None:
+    dataset = _build_dataset(plan, run)
+    for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
+        tally.add(batch.to_pylist())
 
 
 def read_sources(sources: Sequence[Source], read_tasks: int) -> Any:
@@ -568,8 +584,12 @@ def read_sources(sources: Sequence[Source], read_tasks: int) -> Any:
     blocks hold about BLOCK_BYTES of documents each, so long documents flow on one by one."""
     import ray
 
+    context = ray.data.DataContext.get_current()
     # Blocks done per operator say little here; progress comes from the state store instead.
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    context.enable_progress_bars = False
+    # A stage's error reaches the driver as itself (within a RayTaskError), not as a
+    # UserCodeException that keeps it only as text: a StateStoreError stops the job in one line.
+    context.raise_original_map_exception = True
     datasource = SourceDatasource(sources, parallelism=read_tasks)
     # One output block count per shard: more would make Ray split each block of the read
     # into pieces (one row each, here), whatever their size.
@@ -634,12 +654,29 @@ def _ensure_ray(address: str | None) -> bool:
     return True
 
 
+# What stops a run with one line rather than a traceback: a shard that failed as a whole in its
+# read task (a bucket or database gone mid-listing, S3 unreachable past its retries), the state
+# store unusable (file removed, locked past its busy timeout, server gone), the results that
+# could not be written.
+StoppingError = SourceError | StateStoreError | ExportError
+
+
+def _stopping_cause(error: BaseException) -> BaseException | None:
+    """The innermost StoppingError behind `error`, else None. Ray wraps a task's error in a
+    RayTaskError that keeps it as `cause` (and is an instance of its class, with the remote
+    traceback as its text)."""
+    found, seen = None, set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, StoppingError):
+            found = current
+        cause = getattr(current, "cause", None)
+        current = cause if isinstance(cause, BaseException) else current.__cause__
+    return found
+
+
 def _first_line(error: BaseException) -> str:
-    """A task's error as its own message (Ray's RayTaskError keeps it as `cause`, and adds the
-    remote traceback to its text)."""
-    cause = getattr(error, "cause", None)
-    if isinstance(cause, SourceError):
-        return str(cause)
     lines = [line for line in str(error).splitlines() if line.strip()]
     return lines[0] if lines else type(error).__name__
 
@@ -671,7 +708,13 @@ def _finish(
         spec.engine.dtype,
         spec.method,
     )
-    tables = writer.export_tables(plan.store, identity)
+    try:
+        tables = writer.export_tables(plan.store, identity)
+    except OSError as error:
+        raise ExportError(
+            f"cannot write the results to {writer.uri('')}: {_first_line(error)}; the answers are "
+            "kept in the state store: run the job again to export them"
+        ) from None
     statuses = plan.store.chain_status_counts(run.run_id, run.attempt)
     answered, failed_documents = plan.store.document_counts(run.run_id, run.attempt)
     summary = RunSummary(
@@ -697,7 +740,13 @@ def _finish(
         engine=_engine_line(spec.engine),
         changes=changes,
     )
-    manifest_uri = writer.write_manifest(_manifest(plan, summary, tables))
+    try:
+        manifest_uri = writer.write_manifest(_manifest(plan, summary, tables))
+    except OSError as error:
+        raise ExportError(
+            f"cannot write the manifest to {writer.uri('manifest.json')}: {_first_line(error)}; "
+            "run the job again to export the results"
+        ) from None
     summary = replace(summary, outputs={**summary.outputs, "manifest": manifest_uri})
     plan.store.finish_run(run.run_id, DONE if summary.ok else DONE_WITH_ERRORS)
     return summary

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from connectors.state.records import Checkpoint, StepCheckpoint
 from connectors.state.schema import DONE
+from connectors.state.store import StateStoreError
 from pipeline.core.chain import ChainConfig, MemoryChain, StepRecord
 from pipeline.core.evidence import Grounding, find_evidence
 from pipeline.core.segmentation import Segment
@@ -97,10 +98,16 @@ async def resume_chain(
             return ChainOutcome("stopped", start_step)
 
         refused = False
+        store_failure: StateStoreError | None = None
 
         async def checkpoint_step(chain: MemoryChain, record: StepRecord) -> None:
-            nonlocal refused
-            if not await call(checkpoints.record_step, StepCheckpoint.after(chain, record)):
+            nonlocal refused, store_failure
+            try:
+                written = await call(checkpoints.record_step, StepCheckpoint.after(chain, record))
+            except StateStoreError as error:  # the runner makes it the chain's error: keep it
+                store_failure = error
+                raise
+            if not written:
                 refused = True
                 raise WritesRefused(work.chain_key)
             if on_step is not None:
@@ -109,7 +116,13 @@ async def resume_chain(
                 await _ground(work, chain.answer, chain.memory, checkpoints, call)
 
         result = await chain_runner.run_chain(chain, checkpoint_step)
-    except Exception as error:  # e.g. the store is unreachable: recorded, resumable later
+        if store_failure is not None:
+            raise store_failure
+    except StateStoreError:
+        # Nothing can be recorded: the caller stops, and the chain resumes from its last
+        # written step on the next attempt.
+        raise
+    except Exception as error:  # a bug: recorded, resumable later
         logger.exception("chain %s failed", work.chain_key)
         message = f"{type(error).__name__}: {error}"
         await _record_failure(work.chain_key, message, checkpoints, call)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,21 @@ def assert_clean_terminal(stdout: str, stderr: str) -> Path:
     logged = log.read_text(errors="replace")
     assert any(noise in logged for noise in LIBRARY_NOISE[:8]), logged[-2000:]
     return log
+
+
+@contextmanager
+def local_ray() -> Iterator[None]:
+    """A Ray session for a module's jobs, with four logical CPUs: a job that failed may leave
+    its memory-stage actor (one CPU) alive for a while, and with two the next job's read tasks
+    would wait for it. Its workers run at nice 0 (Ray's 15 would starve them behind anything
+    else on a shared machine) and inherit the environment as it is now (start it after the
+    fixtures that set AWS_* variables)."""
+    import ray
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_worker_niceness", "0")
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()

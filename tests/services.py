@@ -30,6 +30,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -111,55 +112,85 @@ def _s3_ready(server: S3Server) -> Callable[[], bool]:
     return ready
 
 
-def _start_seaweedfs(folder: Path) -> tuple[ServerProcess, S3Server]:
-    weed = Path(sysconfig.get_path("scripts")) / "weed"
-    if not weed.exists():
-        weed = Path(shutil.which("weed") or "weed")
-    server = S3Server(f"http://127.0.0.1:{free_port()}", "memstream-test", secrets.token_hex(16))
-    identities = {
-        "identities": [
-            {
-                "name": "memstream",
-                "credentials": [{"accessKey": server.access_key, "secretKey": server.secret_key}],
-                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }
+class SeaweedFS:
+    """`weed server -s3` with its ports and data folder fixed at construction, so it can be
+    stopped and started again as the same server with the same objects (fault tests)."""
+
+    def __init__(self, folder: Path) -> None:
+        weed = Path(sysconfig.get_path("scripts")) / "weed"
+        self.weed = weed if weed.exists() else Path(shutil.which("weed") or "weed")
+        self.folder = folder
+        self.server = S3Server(
+            f"http://127.0.0.1:{free_port()}", "memstream-test", secrets.token_hex(16)
+        )
+        identities = {
+            "identities": [
+                {
+                    "name": "memstream",
+                    "credentials": [
+                        {"accessKey": self.server.access_key, "secretKey": self.server.secret_key}
+                    ],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+        (folder / "s3.json").write_text(json.dumps(identities))
+        (folder / "data").mkdir(exist_ok=True)
+        self.ports = {
+            name: free_port()
+            for name in ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc")
+        }
+        self.ports["s3.grpc"] = free_port()
+        self.process: ServerProcess | None = None
+        self.starts = 0
+
+    def command(self) -> list[str]:
+        folder, ports = self.folder, self.ports
+        return [
+            str(self.weed),
+            "server",
+            f"-dir={folder / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-master.port={ports['master']}",
+            f"-master.port.grpc={ports['master.grpc']}",
+            "-master.volumeSizeLimitMB=32",
+            f"-volume.port={ports['volume']}",
+            f"-volume.port.grpc={ports['volume.grpc']}",
+            "-volume.max=100",
+            "-volume.preStopSeconds=0",
+            "-filer",
+            f"-filer.port={ports['filer']}",
+            f"-filer.port.grpc={ports['filer.grpc']}",
+            f"-filer.localSocket={folder / 'filer.sock'}",
+            "-s3",
+            f"-s3.port={self.server.endpoint_url.rsplit(':', 1)[1]}",
+            f"-s3.port.grpc={ports['s3.grpc']}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.config={folder / 's3.json'}",
         ]
-    }
-    config = folder / "s3.json"
-    config.write_text(json.dumps(identities))
-    (folder / "data").mkdir()
-    ports = {name: free_port() for name in ("master", "volume", "filer")}
-    command = [
-        str(weed),
-        "server",
-        f"-dir={folder / 'data'}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        f"-master.port={ports['master']}",
-        f"-master.port.grpc={free_port()}",
-        "-master.volumeSizeLimitMB=32",
-        f"-volume.port={ports['volume']}",
-        f"-volume.port.grpc={free_port()}",
-        "-volume.max=100",
-        "-volume.preStopSeconds=0",
-        "-filer",
-        f"-filer.port={ports['filer']}",
-        f"-filer.port.grpc={free_port()}",
-        f"-filer.localSocket={folder / 'filer.sock'}",
-        "-s3",
-        f"-s3.port={server.endpoint_url.rsplit(':', 1)[1]}",
-        f"-s3.port.grpc={free_port()}",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        f"-s3.config={config}",
-    ]
-    process = ServerProcess(command, folder / "weed.log")
-    try:
-        process.wait_until(_s3_ready(server), "SeaweedFS")
-    except RuntimeError:
-        process.stop()
-        raise
-    return process, server
+
+    def start(self) -> float:
+        """Seconds until it serves S3 again."""
+        self.starts += 1
+        self.process = ServerProcess(self.command(), self.folder / f"weed-{self.starts}.log")
+        try:
+            return self.process.wait_until(_s3_ready(self.server), "SeaweedFS")
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+
+def _start_seaweedfs(folder: Path) -> tuple[SeaweedFS, S3Server]:
+    weed = SeaweedFS(folder)
+    weed.start()
+    return weed, weed.server
 
 
 def _start_moto(folder: Path) -> tuple[ServerProcess, S3Server]:
@@ -199,19 +230,43 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     NOTES.extend(f"S3 fallback to moto, because {error}" for error in errors)
     STARTUP_SECONDS[f"S3 ({server.kind})"] = time.monotonic() - started
     try:
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("AWS_ACCESS_KEY_ID", server.access_key)
-            env.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
-            env.setenv("AWS_DEFAULT_REGION", server.region)
-            env.setenv("AWS_REGION", server.region)
-            env.setenv("AWS_EC2_METADATA_DISABLED", "true")
-            env.setenv("AWS_CONFIG_FILE", str(folder / "no-aws-config"))
-            env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(folder / "no-aws-credentials"))
-            for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-                env.delenv(name, raising=False)
+        with s3_environment(server, folder):
             yield server
     finally:
         process.stop()
+
+
+@contextmanager
+def s3_environment(server: S3Server, folder: Path) -> Iterator[None]:
+    """AWS_* variables that point boto3 and pyarrow at `server`'s credentials, and nothing else."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+        env.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+        env.setenv("AWS_DEFAULT_REGION", server.region)
+        env.setenv("AWS_REGION", server.region)
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        env.setenv("AWS_CONFIG_FILE", str(folder / "no-aws-config"))
+        env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(folder / "no-aws-credentials"))
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+            env.delenv(name, raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def restartable_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    """A SeaweedFS of the module's own, to stop and start again (no moto: it forgets its objects
+    when it stops), with the AWS_* variables pointing at it."""
+    folder = tmp_path_factory.mktemp("restartable-s3")
+    weed = SeaweedFS(folder)
+    try:
+        weed.start()
+    except (RuntimeError, OSError) as error:
+        unavailable(f"SeaweedFS could not start: {error}")
+    try:
+        with s3_environment(weed.server, folder):
+            yield weed
+    finally:
+        weed.stop()
 
 
 def _postgres_script(*arguments: str, password: str = "") -> str | None:
@@ -230,30 +285,52 @@ def _postgres_script(*arguments: str, password: str = "") -> str | None:
     return None if done.returncode == 0 else (done.stdout + done.stderr).strip()[-3000:]
 
 
+@dataclass(frozen=True)
+class PostgresServer:
+    """A throwaway cluster from infra/services/postgres.sh on 127.0.0.1:`port`."""
+
+    folder: Path
+    port: int
+    password: str
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres:{self.password}@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> str | None:
+        """None once it accepts connections, else what the script said."""
+        return _postgres_script("start", str(self.folder), str(self.port), password=self.password)
+
+    def stop(self) -> None:
+        """A fast shutdown: open sessions are ended."""
+        _postgres_script("stop", str(self.folder))
+
+
 @pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
+def postgres_server() -> Iterator[PostgresServer]:
     # Not under pytest's tmp folder: as root the cluster runs as `postgres`, which must reach it.
-    folder = Path(tempfile.mkdtemp(prefix="memstream-postgres-"))
-    port, password = free_port(), secrets.token_hex(12)
+    server = PostgresServer(
+        Path(tempfile.mkdtemp(prefix="memstream-postgres-")), free_port(), secrets.token_hex(12)
+    )
     started = time.monotonic()
     error = _postgres_script("install")
     STARTUP_SECONDS["PostgreSQL install (when missing)"] = time.monotonic() - started
     if error is None:
         started = time.monotonic()
-        error = _postgres_script("start", str(folder), str(port), password=password)
+        error = server.start()
         STARTUP_SECONDS["PostgreSQL initdb + start"] = time.monotonic() - started
-    if error is not None:
-        _stop_postgres(folder)
-        unavailable(f"PostgreSQL could not start via {POSTGRES_SCRIPT}:\n{error}")
     try:
-        yield f"postgresql+psycopg://postgres:{password}@127.0.0.1:{port}/postgres"
+        if error is not None:
+            unavailable(f"PostgreSQL could not start via {POSTGRES_SCRIPT}:\n{error}")
+        yield server
     finally:
-        _stop_postgres(folder)
+        server.stop()
+        shutil.rmtree(server.folder, ignore_errors=True)
 
 
-def _stop_postgres(folder: Path) -> None:
-    _postgres_script("stop", str(folder))
-    shutil.rmtree(folder, ignore_errors=True)
+@pytest.fixture(scope="session")
+def postgres_url(postgres_server: PostgresServer) -> str:
+    return postgres_server.url
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec
 from pipeline.runner import ChainRunner
-from tests.fact_server import JsonHandler
+from tests.chat_server import JsonHandler
 from tests.processes import ServerNotReady, ServerProcess, engine_cores, free_port, http_ok
 
 pytestmark = pytest.mark.engine

@@ -21,6 +21,9 @@ The store is picklable: each process opens its own connection pools on first use
 from __future__ import annotations
 
 import json
+import logging
+import os
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -49,7 +52,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import URL, Connection, Engine, RowMapping, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DisconnectionError, OperationalError, SQLAlchemyError
 
 from connectors.sql import redacted, with_default_driver
 from connectors.state.records import (
@@ -95,8 +98,14 @@ from pipeline.core.document import PlannedChain
 from pipeline.core.evidence import Grounding
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 SUPPORTED_DIALECTS = ("sqlite", "postgresql")
-SQLITE_BUSY_TIMEOUT_MS = 60_000
+# How long a SQLite write waits for another process's write lock; `?timeout=SECONDS` in the URL
+# sets it for one store.
+SQLITE_BUSY_TIMEOUT_S = 60.0
+# How long a PostgreSQL server that refuses connections (restarting, failing over) is waited
+# for before a store call fails.
+RECONNECT_WAIT_S = 30.0
 MIGRATIONS = Path(__file__).with_name("migrations")
 # Held while migrating a PostgreSQL database, so replicas starting together migrate one by one.
 MIGRATION_LOCK_KEY = 0x6D656D73  # "mems"
@@ -174,7 +183,8 @@ class StateStore:
         config = Config()
         config.set_main_option("script_location", str(MIGRATIONS))
         try:
-            with self.writer.begin() as connection:
+            create_sqlite_file(self.url)
+            with self._write() as connection:
                 if connection.dialect.name == "postgresql":
                     connection.execute(
                         text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY}
@@ -182,7 +192,7 @@ class StateStore:
                 config.attributes["connection"] = connection
                 command.upgrade(config, "head")
         except (SQLAlchemyError, OSError) as error:
-            raise StateStoreError(f"state store {self.safe_url}: {first_line(error)}") from None
+            raise self._failure(error) from None
 
     # --- corpus runs: planning (segment stage) and membership -----------------------------
 
@@ -974,18 +984,53 @@ class StateStore:
     @contextmanager
     def _write(self) -> Iterator[Connection]:
         try:
-            with self.writer.begin() as connection:
+            with self._connect(self.writer) as connection, connection.begin():
                 yield connection
         except SQLAlchemyError as error:
-            raise StateStoreError(f"state store {self.safe_url}: {first_line(error)}") from None
+            raise self._failure(error) from None
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
         try:
-            with self.reader.connect() as connection:
+            with self._connect(self.reader) as connection:
                 yield connection
         except SQLAlchemyError as error:
-            raise StateStoreError(f"state store {self.safe_url}: {first_line(error)}") from None
+            raise self._failure(error) from None
+
+    def _connect(self, engine: Engine) -> Connection:
+        """A connection from the pool. A PostgreSQL server that refuses connections (a restart)
+        is waited for, up to RECONNECT_WAIT_S; the pool's pre-ping replaces the connections the
+        restart closed. A transaction the restart cut fails (the caller's error)."""
+        waited, delay = 0.0, 0.25
+        while True:
+            try:
+                return engine.connect()
+            except OperationalError as error:
+                if engine.dialect.name != "postgresql" or waited + delay > RECONNECT_WAIT_S:
+                    raise
+                logger.warning(
+                    "state store %s unreachable, retrying in %.2f s: %s",
+                    self.safe_url, delay, first_line(error),
+                )  # fmt: skip
+                time.sleep(delay)
+                waited, delay = waited + delay, min(2 * delay, 4.0)
+
+    def _failure(self, error: BaseException) -> StateStoreError:
+        """The error as one line that says what happened to the database."""
+        reason = first_line(error)
+        path = sqlite_path(self.url)
+        if path is not None and not path.exists():
+            reason = (
+                f"the database file {path} is gone: it was removed while in use, and the "
+                f"progress it held with it ({reason})"
+            )
+        elif path is not None and "database is locked" in reason:
+            reason = (
+                f"database is locked: another process held its write lock over the busy "
+                f"timeout of {sqlite_busy_timeout_s(self.url):g} s (?timeout=SECONDS in the "
+                "URL waits longer); what was written is kept, run the job again to resume"
+            )
+        return StateStoreError(f"state store {self.safe_url}: {reason}")
 
     def _stream(self, query: Any, batch_size: int = 1000) -> Iterator[dict[str, Any]]:
         with self._read() as connection:
@@ -1011,26 +1056,70 @@ def parse_store_url(url: str, what: str = "state store") -> URL:
     return with_default_driver(parsed)
 
 
+def sqlite_path(url: str | URL) -> Path | None:
+    """The file of a SQLite store; None for PostgreSQL and in-memory SQLite."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database).expanduser()
+
+
+def sqlite_busy_timeout_s(url: str | URL) -> float:
+    timeout = make_url(url).query.get("timeout")
+    return float(timeout) if isinstance(timeout, str) else SQLITE_BUSY_TIMEOUT_S
+
+
+def create_sqlite_file(url: str | URL) -> None:
+    """Creates a SQLite store's file (and folder) if missing: only migrating does; the store's
+    connections open the file as it is, so a file removed while in use is found gone rather
+    than silently made anew, empty."""
+    path = sqlite_path(url)
+    if path is not None and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sqlite3.connect(path).close()
+
+
 def open_store_engine(url: str | URL, *, write_lock: bool = True) -> Engine:
     """An engine on a store database. Several processes write one SQLite file: WAL lets readers
     run beside the writer, and with `write_lock` every transaction begins with BEGIN IMMEDIATE,
     taking the write lock up front, so it waits for it (busy timeout) instead of failing when
-    another writer committed after it started reading."""
+    another writer committed after it started reading. A SQLite connection is only handed out
+    while its file is still the one at the store's path: one opened on a file since removed
+    would write on into the deleted file."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         return create_engine(parsed, pool_size=4, max_overflow=8, pool_pre_ping=True)
-    if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+    path = sqlite_path(parsed)
+    busy_timeout_s = sqlite_busy_timeout_s(parsed)
+    if path is None:
+        engine = create_engine(parsed)
+    else:
+
+        def open_file() -> sqlite3.Connection:
+            return sqlite3.connect(
+                f"{path.absolute().as_uri()}?mode=rw",
+                uri=True,
+                timeout=busy_timeout_s,
+                check_same_thread=False,
+            )
+
+        engine = create_engine(parsed.difference_update_query(["timeout"]), creator=open_file)
 
     @event.listens_for(engine, "connect")
-    def configure(dbapi_connection: Any, _record: Any) -> None:
+    def configure(dbapi_connection: Any, record: Any) -> None:
         dbapi_connection.isolation_level = None  # SQLAlchemy's events begin transactions
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
+        if path is not None:
+            record.info["file"] = _file_identity(path)
+
+    @event.listens_for(engine, "checkout")
+    def still_the_same_file(_dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        if path is not None and _file_identity(path) != record.info.get("file"):
+            raise DisconnectionError(f"{path} was removed or replaced")  # the pool reconnects
 
     if write_lock:
 
@@ -1039,6 +1128,14 @@ def open_store_engine(url: str | URL, *, write_lock: bool = True) -> Engine:
             connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def pending_chain_row(
