@@ -5,8 +5,10 @@ of the test process, so Ray workers reach it over real HTTP.
 
 `fault` is what the chat route does now: None (answers), "500" (an error status), "slow"
 (answers after `slow_s`, past the client's timeout) or "trickle" (a 200 whose body comes one
-byte at a time, each before the client's read timeout). `stop()` closes the port (connections
-are refused) and `start()` opens it again, on the same port. `before_reply(n)` runs in the
+byte at a time, each before the client's read timeout); `delay_s` delays every reply, and
+`prompts` keeps the prompt of every chat request. `stop()` closes the port (connections
+are refused) and `start()` opens it again, on the same port. As a context manager it is
+started and stopped. `before_reply(n)` runs in the
 handler of the n-th chat request, before it is answered: the place to change the world in the
 middle of a run, as FactEngine's `before_reply` is.
 """
@@ -72,6 +74,8 @@ class FactChatServer:
         self.slow_s = slow_s
         self.port = free_port()
         self.fault: Fault | None = None
+        self.delay_s = 0.0
+        self.prompts: list[str] = []
         self.before_reply: Callable[[int], None] | None = None
         self.chat_requests = 0  # every attempt the adapter made, retries included
         self.answered = 0  # chat requests answered while there was no fault
@@ -96,6 +100,12 @@ class FactChatServer:
             server.shutdown()
             server.server_close()
 
+    def __enter__(self) -> FactChatServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
     def _handler(self) -> type[JsonHandler]:
         owner = self
 
@@ -119,6 +129,9 @@ class FactChatServer:
                     self.reply(500, b'{"error": {"message": "the fault server fails on purpose"}}')
                     return
                 prompt = body["messages"][-1]["content"]
+                with owner._lock:
+                    owner.prompts.append(prompt)
+                time.sleep(owner.delay_s)
                 text = reply_to(prompt)
                 answer = json.dumps(chat_completion(owner.model, text, prompt)).encode()
                 if fault == "slow":

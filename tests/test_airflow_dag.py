@@ -1,7 +1,7 @@
 """infra/airflow: the nightly DAG loads with Airflow installed, and `airflow dags test` runs its
 task end to end on a tiny job, in a subprocess with its own AIRFLOW_HOME and SQLite metadata DB.
 
-The end-to-end job's engine is the `openai` kind pointed at `tests.fact_server`, a real HTTP
+The end-to-end job's engine is the `openai` kind pointed at `tests.chat_server`, a real HTTP
 server that answers as the fake engine does: these tests check the DAG's mechanics (Airflow runs
 the task, the task runs `pipeline.job.run_job` with Ray, the summary reaches XCom, the tables are
 written), not a model's answers.
@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.job import load_job_spec
-from tests.fact_server import FactChatHandler, fact_chat_server
+from tests.chat_server import FactChatServer
 
 REPO = Path(__file__).resolve().parents[1]
 DAGS = REPO / "infra" / "airflow"
@@ -140,19 +140,19 @@ def test_airflow_dags_test_runs_the_task_end_to_end_and_pushes_the_summary_to_xc
         (docs / name).write_text(f"{filler}\nThe code word is {fact}.\n{filler}")
     output = tmp_path / "out"
     log = tmp_path / "airflow-dags-test.log"
-    with fact_chat_server() as base_url:
+    with FactChatServer() as server:
         job_file = tmp_path / "job.yaml"
         job_file.write_text(
             "sources: [s3://replaced-by-the-dag-params/]\n"
             "questions: ['Which code word does the document give?']\n"
             "output: {uri: s3://replaced-by-the-dag-params/}\n"
             "engine: {kind: openai, model: smollm2-135m-instruct, served_model: "
-            f"{FactChatHandler.served_model}, base_url: '{base_url}'}}\n"
+            f"{server.model}, base_url: '{server.base_url}'}}\n"
             "method: {chunk_size: 200}\n"
         )
         env = migrated_home(tmp_path, job_file)
         returncode = dags_test(env, {"prefix": str(docs), "output": str(output)}, log)
-        completions = FactChatHandler.completions
+        completions = server.answered
     assert returncode == 0, tail(log)
     assert metadata(env, "SELECT state FROM dag_run WHERE dag_id = 'memstream_nightly'") == [
         ("success",)

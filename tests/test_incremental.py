@@ -39,8 +39,8 @@ from operators.run import RunContext
 from pipeline.core.document import PlannedChain
 from pipeline.engines.factory import EngineSpec
 from pipeline.job import JobSpec, derive_archive_key, run_job
+from tests.chat_server import FactChatServer
 from tests.conftest import TEST_MODEL
-from tests.fact_server import FactChatHandler, fact_chat_server
 from tests.fake_engine import FACT
 from tests.services import schema_of_its_own
 from tests.test_job import kill_processes_marked
@@ -154,23 +154,12 @@ def test_model_template_and_question_are_each_part_of_a_chain_key() -> None:
 # --- run_job, with real Ray and an HTTP engine that replies as FactEngine -----------------------
 
 
-class FactServer:
-    """The fact chat server (tests/fact_server.py) and what it was sent."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    @property
-    def delay_s(self) -> float:
-        return FactChatHandler.delay_s
-
-    @delay_s.setter
-    def delay_s(self, seconds: float) -> None:
-        FactChatHandler.delay_s = seconds
+class FactServer(FactChatServer):
+    """The fact chat server (tests/chat_server.py), and which documents it was sent."""
 
     def documents_read(self) -> set[str]:
         """The documents whose facts were in the sections sent since the last call."""
-        prompts, FactChatHandler.prompts = FactChatHandler.prompts, []
+        prompts, self.prompts = self.prompts, []
         return {
             fact.removeprefix("fact-").rstrip("0123456789")
             for prompt in prompts
@@ -180,8 +169,8 @@ class FactServer:
 
 @pytest.fixture(scope="module")
 def fact_server() -> Iterator[FactServer]:
-    with fact_chat_server() as url:
-        yield FactServer(url)
+    with FactServer() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +201,7 @@ def nightly(
         "sources": [str(folder)],
         "output": str(output),
         "questions": [QUESTION],
-        "engine": {"kind": "openai", "base_url": server.url, "model": FactChatHandler.served_model,
+        "engine": {"kind": "openai", "base_url": server.base_url, "model": server.model,
                    "tokenizer": TEST_MODEL, "max_model_len": 4096},
         "method": METHOD,
         "state_store": state_store,
