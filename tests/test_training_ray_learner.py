@@ -2,7 +2,9 @@
 the real SmolLM2-135M in fp32 and a fixed rollout batch (no engine): one CPU worker of a local
 Ray session (2 CPUs) takes the batch's optimiser steps through the trainer's own
 `learn_from_batch`, and leaves the same weights, the checkpoint and the metrics line where the
-in-process run does; a second step resumes from that checkpoint. About 2 minutes on two cores."""
+in-process run does; a second step resumes from that checkpoint. Then two workers on a tiny
+model, for DDP. 4-5 minutes on two shared cores: each Ray Train run starts its workers and loads
+the model."""
 
 from __future__ import annotations
 
@@ -37,8 +39,10 @@ CHAINS = [
 LEARNING_RATE = 1e-4
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_session() -> Iterator[None]:
+    """A local Ray session per test, so that one test's failed run cannot hold the CPUs the
+    next one's workers wait for."""
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
@@ -92,8 +96,12 @@ def one_step(config: TrainConfig, step: int, batch: RolloutBatch) -> dict[str, o
         gc.collect()  # the in-process learner's weights and optimiser state, before the next
 
 
-def weights(output: Path) -> dict[str, torch.Tensor]:
-    return load_file(output / CHECKPOINT_DIR / "model.safetensors")
+def largest_difference(first: Path, second: Path) -> float:
+    """The largest |difference| of a weight between two model folders' safetensors."""
+    one, other = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    shared = one.keys() & other.keys()
+    assert len(shared) >= len(one) - 1  # a tied lm_head may be left out of one of them
+    return max(float((one[name] - other[name]).abs().max()) for name in shared)
 
 
 def batch_logprobs(config: TrainConfig, batch: RolloutBatch) -> torch.Tensor:
@@ -138,10 +146,8 @@ def test_a_ray_train_worker_steps_like_the_in_process_learner(
     # difference dg in the gradient (another thread count, another order of summation) moves
     # a weight by about lr·dg/|g|, or lr·dg/eps where |g| is below eps: far less than lr. A
     # tenth of one step separates the two; the weights must also have moved by steps of lr.
-    base = load_file(Path(test_model_path) / "model.safetensors")
-    in_process, on_ray = weights(local.output), weights(remote.output)
-    largest_gap = max(float((in_process[n] - on_ray[n]).abs().max()) for n in in_process)
-    largest_move = max(float((on_ray[n] - base[n]).abs().max()) for n in base if n in on_ray)
+    largest_gap = largest_difference(local.output / CHECKPOINT_DIR, checkpoint)
+    largest_move = largest_difference(Path(test_model_path), checkpoint)
     print(f"one worker: largest gap {largest_gap:.3g}, largest move {largest_move:.3g}")
     assert largest_gap <= LEARNING_RATE / 10, largest_gap
     assert largest_move >= LEARNING_RATE / 2, largest_move
@@ -178,9 +184,9 @@ def test_two_workers_average_their_gradients_into_the_one_process_step(
 ) -> None:
     # Two workers each take every other conversation of a mini-batch; DDP's average of their
     # gradients, scaled by the number of workers, is the one-process gradient. 3 conversations
-    # a mini-batch of 8 leaves the last mini-batch 2, and with 5 a mini-batch the second one
-    # has 3: uneven shares. The last case gives worker 1 no conversation of its own.
-    for mini_batch in (3, 5, 7):
+    # a mini-batch of 8 split 2/1 between the workers; 7 leave a last mini-batch of 1, which
+    # gives worker 1 no conversation of its own (it runs one at weight 0).
+    for mini_batch in (3, 7):
         # memagent: the KL to the reference is on, and summed over the workers too.
         local = train_config(tiny_model, tmp_path / f"in-process-{mini_batch}",
                              mini_batch_conversations=mini_batch, preset="memagent")  # fmt: skip
@@ -194,8 +200,7 @@ def test_two_workers_average_their_gradients_into_the_one_process_step(
         assert reported["learner_loss"] == pytest.approx(expected["learner_loss"], abs=1e-6)
         assert reported["learner_kl"] == pytest.approx(expected["learner_kl"], abs=1e-6)
         assert reported["learner_clip_fraction"] == expected["learner_clip_fraction"]
-        in_process, on_ray = weights(local.output), weights(remote.output)
-        gap = max(float((in_process[n] - on_ray[n]).abs().max()) for n in in_process)
+        gap = largest_difference(local.output / CHECKPOINT_DIR, remote.output / CHECKPOINT_DIR)
         print(f"two workers, mini-batch {mini_batch}: largest gap {gap:.3g}")
         assert gap <= LEARNING_RATE / 10, (mini_batch, gap)
         torch.testing.assert_close(
