@@ -3,7 +3,7 @@ the real SmolLM2-135M in fp32 and a fixed rollout batch (no engine): one CPU wor
 Ray session (2 CPUs) takes the batch's optimiser steps through the trainer's own
 `learn_from_batch`, and leaves the same weights, the checkpoint and the metrics line where the
 in-process run does; a second step resumes from that checkpoint. Then two workers on a tiny
-model, for DDP. 4-5 minutes on two shared cores: each Ray Train run starts its workers and loads
+model, for DDP. 4.5-8 minutes on two shared cores: each Ray Train run starts its workers and loads
 the model."""
 
 from __future__ import annotations
