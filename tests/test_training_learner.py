@@ -16,8 +16,8 @@ from pipeline.training.learner import (
     Conversation,
     Learner,
     LearnerConfig,
-    _write_atomically,
     append_metrics,
+    write_atomically,
 )
 
 TEXTS = [
@@ -165,18 +165,18 @@ def test_a_resumed_checkpoint_continues_like_an_uninterrupted_run(
 
 def test_a_failed_save_leaves_the_previous_folder(tmp_path: Path) -> None:
     target = tmp_path / "checkpoint"
-    _write_atomically(target, lambda folder: (folder / "weights").write_text("one"))
+    write_atomically(target, lambda folder: (folder / "weights").write_text("one"))
 
     def interrupted(folder: Path) -> None:
         (folder / "weights").write_text("two")
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        _write_atomically(target, interrupted)
+        write_atomically(target, interrupted)
     assert (target / "weights").read_text() == "one"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint"]
 
-    _write_atomically(target, lambda folder: (folder / "weights").write_text("three"))
+    write_atomically(target, lambda folder: (folder / "weights").write_text("three"))
     assert (target / "weights").read_text() == "three"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["checkpoint"]
 

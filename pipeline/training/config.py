@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 PresetName = Literal["memagent", "dapo"]
 TaskName = Literal["keep-the-fact", "cuad"]
+LearnerPlacement = Literal["in-process", "ray-train"]
 
 
 class TrainConfig(BaseModel):
@@ -75,11 +76,48 @@ class TrainConfig(BaseModel):
     max_model_len: int = Field(2048, ge=256, description="Rollout engine context, tokens.")
     kv_cache_gib: int = Field(1, ge=1, description="Rollout engine KV cache on CPU, GiB.")
     resume: bool = Field(False, description="Continue the run in `output` from its checkpoint.")
+    learner: LearnerPlacement = Field(
+        "in-process",
+        description="Where the learner's optimiser steps run: in-process (this process, between "
+        "rollouts) or ray-train (a Ray Train TorchTrainer of --learner-workers workers each "
+        "rollout batch, gradients averaged by DDP; pipeline.training.ray_learner).",
+    )
+    learner_workers: int = Field(
+        1, ge=1, description="Ray Train workers (data-parallel replicas of the policy)."
+    )
+    learner_gpus_per_worker: float = Field(
+        0.0,
+        ge=0.0,
+        description="GPUs each Ray Train worker reserves; 0 trains on CPU (unverified on GPUs).",
+    )
+    learner_cpus_per_worker: float = Field(
+        1.0, gt=0.0, description="CPUs each Ray Train worker reserves (its torch threads)."
+    )
+    learner_storage: str | None = Field(
+        None,
+        description="Ray Train's storage_path, where workers report checkpoints: a folder, or "
+        "on a multi-node cluster a shared one (NFS, s3://...). Default: <output>/ray-train.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster for --learner ray-train (default: $RAY_ADDRESS, a running "
+        "session, else a local one).",
+    )
 
     @model_validator(mode="after")
     def _one_source_of_samples(self) -> TrainConfig:
         if self.answers is not None and self.task != "keep-the-fact":
             raise ValueError("--answers and --task cuad both name the samples: pass one")
+        return self
+
+    @model_validator(mode="after")
+    def _workers_only_on_ray_train(self) -> TrainConfig:
+        if self.learner == "in-process" and (
+            self.learner_workers > 1 or self.learner_gpus_per_worker > 0
+        ):
+            raise ValueError(
+                "--learner-workers and --learner-gpus-per-worker need --learner ray-train"
+            )
         return self
 
     def algorithm(self) -> TrainingAlgorithmConfig:
@@ -94,7 +132,7 @@ class TrainConfig(BaseModel):
             max_answer_tokens=self.max_answer_tokens,
         )
 
-    def learner(self, base: str) -> LearnerConfig:
+    def learner_config(self, base: str) -> LearnerConfig:
         from pipeline.training.learner import LearnerConfig
 
         return LearnerConfig(

@@ -10,19 +10,30 @@ from 1 and the clip acts. Forward passes run in micro-batches of right-padded se
 add up to the mini-batch's token mean. Log-probabilities are computed only at response positions.
 
 The model stays in eval mode (no dropout), so the training forward matches the no-grad one that
-gave the old log-probabilities. `save_checkpoint` writes a folder that transformers and vLLM load
-as a model, plus the optimiser, scheduler, step counters and RNG state; `export_weights` writes the
-weights alone, for the rollout engine to reload.
+gave the old log-probabilities.
+
+Data parallelism (`distribute`, as the Ray Train worker calls it, pipeline.training.ray_learner):
+every worker draws the same plan, takes every `world_size`-th conversation of each mini-batch, and
+scales its loss by the whole mini-batch's token count, so that the sum over workers of their
+gradients is the one-process gradient; DDP averages, so the backward is multiplied by
+`world_size`. Each worker synchronises once per optimiser step, on its last micro-batch, and a
+worker whose share of a mini-batch is empty runs one conversation at weight 0 so that its
+collective calls match the others'. The metrics are summed over the workers.
+
+`save_checkpoint` writes a folder that transformers and vLLM load as a model, plus the optimiser,
+scheduler, step counters and RNG state; `export_weights` writes the weights alone, for the
+rollout engine to reload.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -194,12 +205,56 @@ class StepMetrics:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> StepMetrics:
+        """The inverse of `to_dict`: metrics that crossed a process boundary as a dict."""
+        mini_batches = tuple(MiniBatchMetrics(**step) for step in values["mini_batches"])
+        return cls(**{**values, "mini_batches": mini_batches})
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One worker's part of a mini-batch: its micro-batches of conversation indices, and the
+    whole mini-batch's response tokens and conversations (the loss's normaliser). `weight` is 0
+    for a worker with no conversation of its own, which runs one at weight 0 to keep step."""
+
+    micro_batches: list[list[int]]
+    n_tokens: int
+    n_conversations: int
+    weight: float = 1.0
+
+
+class ResponseLogits(torch.nn.Module):
+    """The causal LM's logits at the given (row, position) pairs, divided by the temperature:
+    the LM head runs only on the hidden states that predict a response token. The module data
+    parallelism wraps, so that the training forward is the one DDP sees."""
+
+    def __init__(self, model: torch.nn.Module, temperature: float) -> None:
+        super().__init__()
+        self.model = model
+        self.temperature = temperature
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor, positions: Tensor
+    ) -> Tensor:
+        hidden = self.model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
+        logits = self.model.get_output_embeddings()(hidden[rows, positions]).float()
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return logits
+
 
 class Learner:
     """Holds the policy, its optimiser and scheduler, and (when kl_coef > 0) a frozen reference.
 
     `initial_weights` loads the policy from another folder than `config.model` (a checkpoint);
-    the reference always comes from `config.model`.
+    the reference always comes from `config.model`. A learner is one process until
+    `distribute` makes it one worker of a data-parallel group.
     """
 
     def __init__(self, config: LearnerConfig, *, initial_weights: str | Path | None = None) -> None:
@@ -212,9 +267,12 @@ class Learner:
         torch.manual_seed(config.seed)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.model = self._load_policy(Path(initial_weights) if initial_weights else None)
-        self.reference: torch.nn.Module | None = None
+        self.policy = ResponseLogits(self.model, config.temperature)
+        self.trained: torch.nn.Module = self.policy  # the policy, or its DDP wrapper
+        self.rank, self.world_size = 0, 1
+        self.reference: ResponseLogits | None = None
         if config.algorithm.kl_coef > 0 and not config.lora:
-            self.reference = _load_model(base, self.device)
+            self.reference = ResponseLogits(_load_model(base, self.device), config.temperature)
             self.reference.requires_grad_(False)
         trainable = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -231,11 +289,10 @@ class Learner:
     def resume(cls, directory: str | Path, config: LearnerConfig) -> Learner:
         """The learner as `save_checkpoint(directory)` left it. If a save was killed between
         its two renames, the previous checkpoint is read from `<directory>.previous`."""
-        directory = Path(directory)
-        if not directory.is_dir() and _previous(directory).is_dir():
-            directory = _previous(directory)
-        if not (directory / STATE_FILE).is_file():
+        found = existing_checkpoint(directory)
+        if found is None:
             raise FileNotFoundError(f"{directory} holds no learner checkpoint ({STATE_FILE})")
+        directory = found
         learner = cls(config, initial_weights=directory)
         state = torch.load(directory / STATE_FILE, weights_only=True)
         if state["format"] != CHECKPOINT_FORMAT:
@@ -247,6 +304,32 @@ class Learner:
         torch.set_rng_state(state["torch_rng"])
         learner.generator.set_state(state["generator"])
         return learner
+
+    def distribute(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        wrap: Callable[[torch.nn.Module], torch.nn.Module],
+    ) -> None:
+        """Makes this learner worker `rank` of `world_size`, its training forward going through
+        `wrap(policy)` (Ray Train's `prepare_model`, which wraps it in DDP when there is more
+        than one worker). Every worker must start from the same weights, state and seed."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.rank, self.world_size = rank, world_size
+        self.trained = wrap(self.policy)
+
+    def learn(
+        self, signal: tuple[Sequence[Conversation], Tensor | Sequence[float]] | None
+    ) -> StepMetrics | None:
+        """A `step` on (conversations, advantages), or `skip_batch` when the batch carried no
+        signal (None): what the trainer does with each rollout batch, in process or on Ray
+        Train."""
+        if signal is None:
+            self.skip_batch()
+            return None
+        return self.step(*signal)
 
     def _load_policy(self, weights: Path | None) -> torch.nn.Module:
         if not self.config.lora:
@@ -272,7 +355,7 @@ class Learner:
         budget = micro_batch_tokens or self.config.micro_batch_tokens
         lengths = [conversation.n_tokens for conversation in conversations]
         micro_batches = _pack(list(range(len(conversations))), lengths, budget)
-        return self._logprobs_by_micro_batch(self.model, conversations, micro_batches)
+        return self._logprobs_by_micro_batch(self.policy, conversations, micro_batches)
 
     def step(
         self,
@@ -296,28 +379,47 @@ class Learner:
         ]:
             raise ValueError("ref_logprobs needs one value per response token of each conversation")
         algorithm = self.config.algorithm
-        plan = self._plan([conversation.n_tokens for conversation in conversations])
-        batch_tokens = sum(conversation.n_tokens for conversation in conversations)
-        passed_tokens = batch_tokens
+        plan = self._plan(conversations)
 
-        # The first epoch's micro-batches, so the first mini-batch sees bitwise the same inputs.
-        first_epoch = [micro for mini in plan[0] for micro in mini]
-        old = self._logprobs_by_micro_batch(self.model, conversations, first_epoch)
+        # Old log-probabilities through the first epoch's micro-batches, so that the first
+        # mini-batch sees bitwise the same inputs; then those of the conversations this worker
+        # meets only in later epochs.
+        first_epoch = [micro for shard in plan[0] for micro in shard.micro_batches]
+        seen = {index for micro in first_epoch for index in micro}
+        later = sorted(
+            {
+                i
+                for epoch in plan[1:]
+                for shard in epoch
+                for micro in shard.micro_batches
+                for i in micro
+            }
+            - seen
+        )
+        lengths = [conversation.n_tokens for conversation in conversations]
+        passes = first_epoch + _pack(later, lengths, self.config.micro_batch_tokens)
+        own_tokens = sum(lengths[index] for micro in passes for index in micro)
+        passed_tokens = own_tokens
+        old = self._logprobs_by_micro_batch(self.policy, conversations, passes)
         if ref_logprobs is None and algorithm.kl_coef > 0:
-            ref_logprobs = self._reference_logprobs(conversations, first_epoch)
-            passed_tokens += batch_tokens
+            ref_logprobs = self._reference_logprobs(conversations, passes)
+            passed_tokens += own_tokens
         reference = None if ref_logprobs is None else [lp.to(torch.float32) for lp in ref_logprobs]
 
         steps: list[MiniBatchMetrics] = []
         for epoch in plan:
-            for mini_batch in epoch:
-                steps.append(
-                    self._optimizer_step(conversations, mini_batch, advantages, old, reference)
-                )
-                passed_tokens += sum(
-                    conversations[i].n_tokens for micro in mini_batch for i in micro
-                )
+            for shard in epoch:
+                steps.append(self._optimizer_step(conversations, shard, advantages, old, reference))
+                passed_tokens += sum(lengths[i] for micro in shard.micro_batches for i in micro)
         self.updates += 1
+        # The first epoch's own conversations: each answered one on exactly one worker.
+        owned = [
+            i for shard in plan[0] if shard.weight for micro in shard.micro_batches for i in micro
+        ]
+        gap_sum, gap_count = _rollout_gap(conversations, old, owned)
+        passed_tokens, gap_sum, gap_count = self._sum_over_workers(
+            [passed_tokens, gap_sum, gap_count]
+        )
         seconds = time.perf_counter() - started
         return StepMetrics(
             loss=sum(s.loss for s in steps) / len(steps),
@@ -331,7 +433,7 @@ class Learner:
             n_tokens=sum(len(conversation.response_ids) for conversation in conversations),
             n_conversations=n,
             optimizer_steps=len(steps),
-            rollout_logprob_abs_diff=_rollout_gap(conversations, old),
+            rollout_logprob_abs_diff=gap_sum / gap_count if gap_count else None,
             tokens_per_s=passed_tokens / seconds,
             seconds=seconds,
             mini_batches=tuple(steps),
@@ -345,48 +447,40 @@ class Learner:
     def _optimizer_step(
         self,
         conversations: Sequence[Conversation],
-        mini_batch: list[list[int]],
+        shard: Shard,
         advantages: Tensor,
         old: list[Tensor],
         reference: list[Tensor] | None,
     ) -> MiniBatchMetrics:
         algorithm = self.config.algorithm
-        n_tokens = sum(len(conversations[i].response_ids) for micro in mini_batch for i in micro)
+        n_tokens = shard.n_tokens
         normalizer = float(max(n_tokens, 1))
         with_entropy = algorithm.entropy_coef > 0
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
         sums = {"clip_fraction": 0.0, "approx_kl": 0.0, "dual_clip_fraction": 0.0}
         kl_sum = entropy_sum = 0.0
-        for micro in mini_batch:
+        last = len(shard.micro_batches) - 1
+        for position, micro in enumerate(shard.micro_batches):
             batch = [conversations[i] for i in micro]
-            logprobs, mask, entropy = self._forward(self.model, batch, with_entropy=with_entropy)
-            old_padded = _pad([old[i] for i in micro], logprobs.shape[1], self.device)
-            loss, stats = clipped_token_loss(
-                logprobs,
-                old_padded,
-                advantages[micro].to(self.device),
-                mask,
-                clip_low=algorithm.clip_low,
-                clip_high=algorithm.clip_high,
-                dual_clip=algorithm.dual_clip,
-                normalizer=normalizer,
-            )
-            for name in sums:
-                sums[name] += getattr(stats, name) * stats.n_tokens
-            if reference is not None:
-                ref_padded = _pad([reference[i] for i in micro], logprobs.shape[1], self.device)
-                kl = token_mean(low_var_kl(logprobs, ref_padded), mask, normalizer=normalizer)
-                kl_sum += float(kl.detach())
-                if algorithm.kl_coef > 0:
-                    loss = loss + algorithm.kl_coef * kl
-            if entropy is not None:
-                entropy_term = token_mean(entropy, mask, normalizer=normalizer)
-                entropy_sum += float(entropy_term.detach())
-                loss = loss - algorithm.entropy_coef * entropy_term
-            if mask.any():
-                loss.backward()
+            with self._gradient_sync(position == last):
+                loss, stats_sums, kl, entropy_term = self._micro_batch_loss(
+                    batch, [old[i] for i in micro], advantages[micro],
+                    None if reference is None else [reference[i] for i in micro],
+                    normalizer=normalizer, with_entropy=with_entropy,
+                )  # fmt: skip
+                loss = loss * shard.weight
+                # DDP averages the workers' gradients; each holds its share of the sum.
+                (loss * float(self.world_size)).backward()
+            for name, value in stats_sums.items():
+                sums[name] += value * shard.weight
+            kl_sum += kl * shard.weight
+            entropy_sum += entropy_term * shard.weight
             loss_total += float(loss.detach())
+        loss_total, kl_sum, entropy_sum, *summed = self._sum_over_workers(
+            [loss_total, kl_sum, entropy_sum, *sums.values()]
+        )
+        sums = dict(zip(sums, summed, strict=True))
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.config.grad_clip)
         learning_rate = self.scheduler.get_last_lr()[0]
@@ -404,12 +498,73 @@ class Learner:
             grad_norm=float(grad_norm),
             learning_rate=learning_rate,
             n_tokens=n_tokens,
-            n_conversations=sum(len(micro) for micro in mini_batch),
+            n_conversations=shard.n_conversations,
         )
 
-    def _plan(self, lengths: list[int]) -> list[list[list[list[int]]]]:
-        """Epochs of mini-batches of micro-batches of conversation indices."""
-        n = len(lengths)
+    def _micro_batch_loss(
+        self,
+        batch: Sequence[Conversation],
+        old: list[Tensor],
+        advantages: Tensor,
+        reference: list[Tensor] | None,
+        *,
+        normalizer: float,
+        with_entropy: bool,
+    ) -> tuple[Tensor, dict[str, float], float, float]:
+        """The micro-batch's share of its mini-batch's loss (the surrogate, plus the KL and
+        minus the entropy terms when their coefficients are set), the token-weighted sums of its
+        clip and approx-KL statistics, and its KL and entropy terms."""
+        algorithm = self.config.algorithm
+        logprobs, mask, entropy = self._forward(self.trained, batch, with_entropy=with_entropy)
+        old_padded = _pad(old, logprobs.shape[1], self.device)
+        loss, stats = clipped_token_loss(
+            logprobs,
+            old_padded,
+            advantages.to(self.device),
+            mask,
+            clip_low=algorithm.clip_low,
+            clip_high=algorithm.clip_high,
+            dual_clip=algorithm.dual_clip,
+            normalizer=normalizer,
+        )
+        stats_sums = {
+            name: getattr(stats, name) * stats.n_tokens
+            for name in ("clip_fraction", "approx_kl", "dual_clip_fraction")
+        }
+        kl_value = entropy_value = 0.0
+        if reference is not None:
+            ref_padded = _pad(reference, logprobs.shape[1], self.device)
+            kl = token_mean(low_var_kl(logprobs, ref_padded), mask, normalizer=normalizer)
+            kl_value = float(kl.detach())
+            if algorithm.kl_coef > 0:
+                loss = loss + algorithm.kl_coef * kl
+        if entropy is not None:
+            entropy_term = token_mean(entropy, mask, normalizer=normalizer)
+            entropy_value = float(entropy_term.detach())
+            loss = loss - algorithm.entropy_coef * entropy_term
+        return loss, stats_sums, kl_value, entropy_value
+
+    def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        """DDP's all-reduce on this backward only when `sync` (a worker's last micro-batch of
+        the step); without DDP, nothing to hold back."""
+        no_sync = getattr(self.trained, "no_sync", None)
+        return contextlib.nullcontext() if sync or no_sync is None else no_sync()
+
+    def _sum_over_workers(self, values: Sequence[float]) -> list[float]:
+        if self.world_size == 1:
+            return list(values)
+        import torch.distributed as dist
+
+        summed = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed)
+        return summed.tolist()
+
+    def _plan(self, conversations: Sequence[Conversation]) -> list[list[Shard]]:
+        """Epochs of this worker's shards of the mini-batches. Every worker draws the same
+        order (same seed, same generator state) and keeps its share; a conversation without
+        response tokens adds nothing to the loss and joins no micro-batch."""
+        n = len(conversations)
+        lengths = [conversation.n_tokens for conversation in conversations]
         size = self.config.mini_batch_conversations
         plan = []
         for _ in range(self.config.epochs_per_batch):
@@ -417,10 +572,23 @@ class Learner:
                 order = torch.randperm(n, generator=self.generator).tolist()
             else:
                 order = list(range(n))
-            mini_batches = [order[start : start + size] for start in range(0, n, size)]
-            plan.append(
-                [_pack(mini, lengths, self.config.micro_batch_tokens) for mini in mini_batches]
-            )
+            epoch = []
+            for start in range(0, n, size):
+                mini_batch = order[start : start + size]
+                answered = [i for i in mini_batch if conversations[i].response_ids]
+                own = answered[self.rank :: self.world_size]
+                weight = 1.0
+                if not own and answered:
+                    own, weight = answered[:1], 0.0
+                epoch.append(
+                    Shard(
+                        micro_batches=_pack(own, lengths, self.config.micro_batch_tokens),
+                        n_tokens=sum(len(conversations[i].response_ids) for i in answered),
+                        n_conversations=len(mini_batch),
+                        weight=weight,
+                    )
+                )
+            plan.append(epoch)
         return plan
 
     def _reference_logprobs(
@@ -429,7 +597,7 @@ class Learner:
         if self.reference is not None:
             return self._logprobs_by_micro_batch(self.reference, conversations, micro_batches)
         with self.model.disable_adapter():  # LoRA: the base weights are the reference
-            return self._logprobs_by_micro_batch(self.model, conversations, micro_batches)
+            return self._logprobs_by_micro_batch(self.policy, conversations, micro_batches)
 
     def _logprobs_by_micro_batch(
         self,
@@ -454,8 +622,8 @@ class Learner:
         with_entropy: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Response log-probabilities [B, R] (0 past each response), their mask, and the
-        entropy of each of those next-token distributions if asked. The LM head runs only on the
-        hidden states that predict a response token."""
+        entropy of each of those next-token distributions if asked, from `model`: a
+        `ResponseLogits`, or its DDP wrapper."""
         longest = max(conversation.n_tokens for conversation in batch)
         longest_response = max(len(conversation.response_ids) for conversation in batch)
         input_ids = torch.zeros(len(batch), longest, dtype=torch.long)
@@ -478,15 +646,7 @@ class Learner:
         row_index = torch.tensor(rows, device=self.device)
         position_index = torch.tensor(positions, device=self.device)
         slot_index = torch.tensor(slots, device=self.device)
-        hidden = model.get_decoder()(
-            input_ids=input_ids, attention_mask=attention, use_cache=False
-        ).last_hidden_state
-        logits = model.get_output_embeddings()(hidden[row_index, position_index]).float()
-        softcap = getattr(model.config, "final_logit_softcapping", None)
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        if self.config.temperature != 1.0:
-            logits = logits / self.config.temperature
+        logits = model(input_ids, attention, row_index, position_index)
         targets = input_ids[row_index, position_index + 1]
         all_logprobs = torch.log_softmax(logits, dim=-1)
         token_logprobs = all_logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -528,12 +688,12 @@ class Learner:
             }
             (folder / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
-        return _write_atomically(Path(directory), write)
+        return write_atomically(Path(directory), write)
 
     def export_weights(self, directory: str | Path) -> Path:
         """The current weights and tokenizer files, for the rollout engine to reload; no
         optimiser state. Written atomically like a checkpoint."""
-        return _write_atomically(Path(directory), self._write_weights)
+        return write_atomically(Path(directory), self._write_weights)
 
     def _write_weights(self, folder: Path) -> None:
         if self.config.lora:
@@ -556,6 +716,23 @@ def append_metrics(path: str | Path, step: int, metrics: StepMetrics | Mapping[s
     with path.open("a", encoding="utf-8") as file:
         file.write(json.dumps({"step": step, **payload}) + "\n")
         file.flush()
+
+
+def existing_checkpoint(directory: str | Path) -> Path | None:
+    """The checkpoint `save_checkpoint(directory)` left: `directory`, or `<directory>.previous`
+    if a save was killed between its two renames; None if neither holds one."""
+    directory = Path(directory)
+    if not directory.is_dir() and _previous(directory).is_dir():
+        directory = _previous(directory)
+    return directory if (directory / STATE_FILE).is_file() else None
+
+
+def checkpoint_updates(directory: str | Path) -> int:
+    """The rollout batches the checkpoint in `directory` has trained on (0 if none)."""
+    found = existing_checkpoint(directory)
+    if found is None:
+        return 0
+    return int(json.loads((found / SUMMARY_FILE).read_text())["updates"])
 
 
 def _load_model(folder: Path, device: torch.device) -> torch.nn.Module:
@@ -601,22 +778,27 @@ def _token_weighted(steps: Sequence[MiniBatchMetrics], name: str) -> float:
     return sum(getattr(step, name) * step.n_tokens for step in steps) / max(total, 1)
 
 
-def _rollout_gap(conversations: Sequence[Conversation], old: list[Tensor]) -> float | None:
+def _rollout_gap(
+    conversations: Sequence[Conversation], old: list[Tensor], indices: Sequence[int]
+) -> tuple[float, int]:
+    """The sum of |engine - learner| old log-probabilities over the response tokens of the
+    conversations `indices` names that the engine reported them for, and those tokens' count."""
     differences = [
-        (torch.tensor(conversation.rollout_logprobs) - logprobs).abs()
-        for conversation, logprobs in zip(conversations, old, strict=True)
-        if conversation.rollout_logprobs is not None and conversation.response_ids
+        (torch.tensor(conversations[index].rollout_logprobs) - old[index]).abs()
+        for index in indices
+        if conversations[index].rollout_logprobs is not None
     ]
     if not differences:
-        return None
-    return float(torch.cat(differences).mean())
+        return 0.0, 0
+    joined = torch.cat(differences)
+    return float(joined.sum()), joined.numel()
 
 
 def _previous(directory: Path) -> Path:
     return directory.with_name(directory.name + ".previous")
 
 
-def _write_atomically(directory: Path, write: Any) -> Path:
+def write_atomically(directory: Path, write: Any) -> Path:
     """Calls `write(folder)` on a fresh temporary sibling of `directory`, syncs it to disk, and
     renames it into place, the old folder (if any) moved aside first and removed last."""
     directory.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ Each step:
    to `max_draws` rounds;
 3. the engine is shut down (two cores cannot run rollouts and the learner at once), rewards
    become group advantages broadcast to every conversation of their chain, and the learner
-   takes its optimiser steps;
+   takes its optimiser steps: in this process, or on Ray Train (`--learner ray-train`,
+   pipeline.training.ray_learner), the same code either way;
 4. the learner's checkpoint is written atomically, and one line of metrics appended.
 
 A run resumes from its checkpoint (`resume=True`): the step count, optimiser, scheduler and RNG
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,7 +41,14 @@ from pipeline.training.algorithm import (
 )
 from pipeline.training.config import TrainConfig
 from pipeline.training.contract_fields import FieldSample, generate_field_samples
-from pipeline.training.learner import Conversation, Learner, append_metrics
+from pipeline.training.learner import (
+    Conversation,
+    Learner,
+    LearnerConfig,
+    StepMetrics,
+    append_metrics,
+    existing_checkpoint,
+)
 from pipeline.training.rollout import ChainRollout, PromptSplicer, reward_of, roll_out_group
 from pipeline.training.tasks import FactSample, Split, generate_samples, read_jsonl
 
@@ -48,6 +56,7 @@ CHECKPOINT_DIR = models.RUN_WEIGHTS_DIR
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "train.json"
 ROLLOUTS_DIR = "rollouts"  # step-<k>.jsonl: every chain of step k, its ids, reward and answer
+RAY_TRAIN_DIR = "ray-train"  # Ray Train's storage_path by default (--learner ray-train)
 
 TrainingSample = FactSample | FieldSample
 
@@ -62,6 +71,68 @@ class RolloutBatch:
     seconds: float
 
 
+LearningSignal = tuple[Sequence[Conversation], torch.Tensor]
+
+
+class LearnerProcess(Protocol):
+    """Where the learner runs: `learn` trains on a batch's (conversations, advantages), or
+    counts a batch without signal (None), and leaves the checkpoint in `<output>/weights`;
+    `updates` is the rollout batches the checkpoint has seen."""
+
+    @property
+    def updates(self) -> int: ...
+
+    def learn(self, signal: LearningSignal | None) -> StepMetrics | None: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessLearner:
+    """The learner in this process, checkpointed after every batch."""
+
+    def __init__(self, learner: Learner, checkpoint: Path) -> None:
+        self.learner = learner
+        self.checkpoint = checkpoint
+
+    @property
+    def updates(self) -> int:
+        return self.learner.updates
+
+    def learn(self, signal: LearningSignal | None) -> StepMetrics | None:
+        learned = self.learner.learn(signal)
+        self.learner.save_checkpoint(self.checkpoint)
+        return learned
+
+    def close(self) -> None:
+        pass
+
+
+def open_learner(config: TrainConfig, learner_config: LearnerConfig) -> LearnerProcess:
+    """The learner `config.learner` names, on the run's checkpoint: resumed from it with
+    `config.resume`, else new (and the checkpoint must not exist)."""
+    checkpoint = config.output / CHECKPOINT_DIR
+    found = existing_checkpoint(checkpoint)
+    if not config.resume and (found is not None or checkpoint.exists()):
+        raise FileExistsError(
+            f"{config.output} holds a run already: pass --resume, or a new folder"
+        )
+    if config.learner == "ray-train":
+        from pipeline.training.ray_learner import RayTrainLearner
+
+        return RayTrainLearner(
+            learner_config,
+            checkpoint,
+            storage=config.learner_storage or (config.output / RAY_TRAIN_DIR).resolve(),
+            workers=config.learner_workers,
+            gpus_per_worker=config.learner_gpus_per_worker,
+            cpus_per_worker=config.learner_cpus_per_worker,
+            address=config.ray_address,
+        )
+    if found is not None:
+        return InProcessLearner(Learner.resume(found, learner_config), checkpoint)
+    return InProcessLearner(Learner(learner_config), checkpoint)
+
+
 def run_training(
     config: TrainConfig, *, log: Callable[[str], object] = print
 ) -> list[dict[str, Any]]:
@@ -69,45 +140,55 @@ def run_training(
     base = models.resolve(config.model)
     output = config.output
     checkpoint = output / CHECKPOINT_DIR
-    learner_config = config.learner(base)
-    if config.resume and (checkpoint.is_dir() or checkpoint.with_suffix(".previous").is_dir()):
-        learner = Learner.resume(checkpoint, learner_config)
+    learner = open_learner(config, config.learner_config(base))
+    if learner.updates:
         log(f"resumed {output} after step {learner.updates}")
-    else:
-        if checkpoint.exists():
-            raise FileExistsError(f"{output} holds a run already: pass --resume, or a new folder")
-        learner = Learner(learner_config)
-    output.mkdir(parents=True, exist_ok=True)
-    (output / CONFIG_FILE).write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-    tokenizer = _tokenizer(base)
-    splicer = PromptSplicer(tokenizer)
-    sampler = SampleSource(config, tokenizer)
-    written = []
-    while learner.updates < config.steps:
-        step = learner.updates + 1
-        weights = checkpoint if checkpoint.is_dir() else Path(base)
-        batch = asyncio.run(_roll_out(config, weights, splicer, sampler, step, tokenizer))
-        learned = None
-        if batch.rollouts:
-            write_rollouts(output / ROLLOUTS_DIR / f"step-{step}.jsonl", batch.rollouts)
-            conversations, advantages = _learning_signal(config, batch.rollouts)
-            if bool(advantages.abs().max() > 0):
-                learned = learner.step(conversations, advantages)
-        if learned is None:
-            learner.skip_batch()
-        learner.save_checkpoint(checkpoint)
-        metrics = _record(output, step, batch, None if learned is None else learned.to_dict())
-        written.append(metrics)
-        summary = f"step {step}/{config.steps}: reward {batch.reward_mean:.3f}, groups kept "
-        summary += f"{batch.groups_kept}/{batch.groups_drawn}, rollouts {batch.seconds:.0f} s"
-        if learned is None:
-            log(f"{summary}; every group's rewards were equal: no learning step")
-        else:
-            log(
-                f"{summary}, loss {learned.loss:+.4f}, clip {learned.clip_fraction:.3f}, "
-                f"learner {learned.seconds:.0f} s"
-            )
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / CONFIG_FILE).write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+        tokenizer = _tokenizer(base)
+        splicer = PromptSplicer(tokenizer)
+        sampler = SampleSource(config, tokenizer)
+        written = []
+        while learner.updates < config.steps:
+            step = learner.updates + 1
+            weights = checkpoint if checkpoint.is_dir() else Path(base)
+            batch = asyncio.run(_roll_out(config, weights, splicer, sampler, step, tokenizer))
+            written.append(learn_from_batch(config, learner, step, batch, log=log))
+    finally:
+        learner.close()
     return written
+
+
+def learn_from_batch(
+    config: TrainConfig,
+    learner: LearnerProcess,
+    step: int,
+    batch: RolloutBatch,
+    *,
+    log: Callable[[str], object] = print,
+) -> dict[str, Any]:
+    """Step `step`'s learning from its rollouts: the rollouts kept in `rollouts/`, the learner
+    trained (or the batch counted, when every advantage is 0), its checkpoint written, and the
+    step's metrics appended to `metrics.jsonl` and returned."""
+    signal = None
+    if batch.rollouts:
+        write_rollouts(config.output / ROLLOUTS_DIR / f"step-{step}.jsonl", batch.rollouts)
+        conversations, advantages = _learning_signal(config, batch.rollouts)
+        if bool(advantages.abs().max() > 0):
+            signal = conversations, advantages
+    learned = learner.learn(signal)
+    metrics = _record(config.output, step, batch, None if learned is None else learned.to_dict())
+    summary = f"step {step}/{config.steps}: reward {batch.reward_mean:.3f}, groups kept "
+    summary += f"{batch.groups_kept}/{batch.groups_drawn}, rollouts {batch.seconds:.0f} s"
+    if learned is None:
+        log(f"{summary}; every group's rewards were equal: no learning step")
+    else:
+        log(
+            f"{summary}, loss {learned.loss:+.4f}, clip {learned.clip_fraction:.3f}, "
+            f"learner {learned.seconds:.0f} s"
+        )
+    return metrics
 
 
 class SampleSource:
