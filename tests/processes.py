@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import psutil
 
+from pipeline.engines.reaper import start_watchdog
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -69,7 +71,8 @@ def http_ok(url: str) -> Callable[[], bool]:
 
 
 class ServerProcess:
-    """A server started in its own session, its output in a log file, stopped by its PID."""
+    """A server started in its own session, its output in a log file, stopped by its PID; and
+    by a watchdog if the test process is killed (SIGKILL) before it could stop the server."""
 
     def __init__(
         self,
@@ -89,6 +92,7 @@ class ServerProcess:
                 cwd=cwd,
                 start_new_session=True,
             )
+        self._watchdog = start_watchdog([self.process.pid])
 
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -115,6 +119,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._watchdog.terminate()
+        self._watchdog.wait()
 
 
 def start_memstream_serve(

@@ -46,9 +46,12 @@ def test_waits_on_the_server(server):
 """
 
 
-def _server_left_running(tmp_path: Path, handle_sigterm: bool) -> bool:
+def _server_left_running(
+    tmp_path: Path, handle_sigterm: bool, ending: signal.Signals = signal.SIGTERM
+) -> bool:
     """Runs a session whose fixture starts a server in its own session (as SeaweedFS and
-    PostgreSQL are), sends pytest SIGTERM mid-test, and says whether the server outlived it."""
+    PostgreSQL are), sends pytest `ending` mid-test, and says whether the server outlived it
+    by 10 s."""
     tmp_path.mkdir()
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_waiting.py").write_text(TEST)
@@ -72,25 +75,32 @@ def _server_left_running(tmp_path: Path, handle_sigterm: bool) -> bool:
             time.sleep(0.1)
         server_pid = int(pid_file.read_text())
         time.sleep(0.5)
-        session.send_signal(signal.SIGTERM)
+        session.send_signal(ending)
         session.wait(timeout=30)
-        try:
-            server = psutil.Process(server_pid)
-            alive = server.is_running() and server.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            alive = False
+        deadline = time.monotonic() + 10
+        while (alive := _running(server_pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
         if alive:
-            server.kill()
+            psutil.Process(server_pid).kill()
         return alive
     finally:
         if session.poll() is None:
             session.kill()
 
 
+def _running(pid: int) -> bool:
+    try:
+        server = psutil.Process(pid)
+        return server.is_running() and server.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_sigterm_ends_the_session_with_its_servers_stopped(tmp_path: Path) -> None:
     assert not _server_left_running(tmp_path / "handled", handle_sigterm=True)
 
 
-def test_without_the_handler_sigterm_leaves_the_server_behind(tmp_path: Path) -> None:
-    """The case the handler exists for, so the test above can fail."""
-    assert _server_left_running(tmp_path / "default", handle_sigterm=False)
+def test_a_killed_session_leaves_no_server_behind(tmp_path: Path) -> None:
+    """SIGKILL runs no handler and no fixture: the server's watchdog ends it."""
+    ending = signal.SIGKILL
+    assert not _server_left_running(tmp_path / "killed", handle_sigterm=False, ending=ending)
