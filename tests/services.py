@@ -176,7 +176,7 @@ class SeaweedFS:
         self.starts += 1
         self.process = ServerProcess(self.command(), self.folder / f"weed-{self.starts}.log")
         try:
-            return self.process.wait_until(_s3_ready(self.server), "SeaweedFS")
+            return self.process.wait_until(_s3_ready(self.server), "SeaweedFS", timeout=240)
         except RuntimeError:
             self.stop()
             raise

@@ -35,6 +35,9 @@ REASONS = {
 # Attempts the server sees for each call that fails: every retry, except when it is down
 # (refused: it never sees them) or trickles (the call's deadline ends the first attempt).
 ATTEMPTS_SEEN = {"down": 0, "500": 3, "slow": 3, "trickle": 1}
+# Longer than any of these jobs takes on a loaded 2-core machine, shorter than the 3 minutes a
+# trickling server would hold a call without its deadline: what tells ending from hanging.
+HANG_S = 150
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def test_a_server_down_at_the_start_fails_the_job_before_anything_runs(
         run_job(
             fact_job(chat_server, [str(tmp_path / "inputs")], str(tmp_path / "out"), SERVER_LIMITS)
         )
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < HANG_S
     assert not (tmp_path / "out" / "memstream-state.sqlite").exists()  # no run was begun
 
 
@@ -100,14 +103,17 @@ def test_server_fault_mid_run_gives_failed_rows_then_a_rerun_finishes(
     if fault != "down":
         faulty = chat_server.chat_requests - chat_server.answered
         assert faulty == summary.chains_failed * ATTEMPTS_SEEN[fault]
-    # Each failing call took at most its deadline; the chains waited side by side.
-    assert elapsed < 40, f"the job took {elapsed:.0f} s"
+    # Each failing call ended by its deadline (7.5 s): without one, a trickling server holds
+    # each attempt for a minute. A bound on hanging, generous for a loaded machine: not a speed.
+    assert elapsed < HANG_S, f"the job took {elapsed:.0f} s"
 
     chat_server.before_reply, chat_server.fault = None, None
     if fault == "down":
         chat_server.start()
     rerun = run_job(spec)
-    assert rerun.ok and rerun.attempt == 2 and rerun.chains_done == 2
+    # The faulty run ended (with failed rows), so the rerun is a new run of the same job: its
+    # failed chains resume from their checkpoints, the answered ones are carried forward.
+    assert rerun.ok and rerun.chains_done == 2 and rerun.changes.unchanged == 2
     assert rerun.chains_resumed == summary.chains_failed  # from their checkpoints, not step 0
     answers = pd.read_parquet(rerun.outputs["answers"])
     trajectory = pd.read_parquet(rerun.outputs["trajectory"])

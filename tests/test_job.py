@@ -909,9 +909,9 @@ def test_hostile_documents_through_the_real_job(ray_session: None, tmp_path: Pat
 
     folder = tmp_path / "hostile"
     folder.mkdir()
-    expected = {name: outcome for name, (_, outcome) in hostile_files().items()}
-    for name, (content, _) in hostile_files().items():
-        (folder / name).write_bytes(content)
+    expected = {name: hostile.outcome for name, hostile in hostile_files().items()}
+    for name, hostile in hostile_files().items():
+        (folder / name).write_bytes(hostile.content)
     limits = {
         "max_chars": LIMITS.max_chars,
         "max_tokens": LIMITS.max_tokens,

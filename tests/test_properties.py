@@ -463,7 +463,7 @@ class StoredChain:
 
     def plan(self) -> int:
         """Begins an attempt of the run and plans the chain in it; returns the attempt."""
-        attempt = self.store.begin_run(self.run_id, {"test": "resume-property"})
+        attempt = self.store.begin_run(self.run_id, {"test": "resume-property"}).attempt
         document = DocumentRecord(
             self.run_id, attempt, f"file:///records/{self.run_id}.txt", f"doc-{self.run_id}",
             "record.txt", hashlib.sha256(self.text.encode()).hexdigest(), "text", None,
