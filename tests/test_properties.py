@@ -435,7 +435,8 @@ record_text = st.lists(
     st.lists(record_word, min_size=1, max_size=6).map(" ".join), min_size=1, max_size=6
 ).map("\n".join)
 # Columns that name the run or say when a row was written, not what the chain did.
-RUN_COLUMNS = {"run_id", "chain_key", "doc_id", "source_uri", "started_at", "finished_at"}
+RUN_COLUMNS = {"run_id", "chain_key", "doc_id", "source_uri", "started_at", "finished_at",
+               "answered_in_run"}  # fmt: skip
 runs = itertools.count()
 
 
