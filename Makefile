@@ -44,7 +44,7 @@ bench: setup models
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 soak: setup models
-	$(BIN)/python bench/soak.py $(SOAK_ARGS)
+	PYTHONPATH=. $(BIN)/python bench/soak.py $(SOAK_ARGS)
 
 train: setup models
 	$(BIN)/python bench/train_demo.py --resume $(TRAIN_ARGS)

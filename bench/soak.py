@@ -46,6 +46,7 @@ from typing import Any
 import psutil
 import yaml
 
+from pipeline.engines.hardware import detect
 from tests.processes import ServerProcess, free_port, http_ok, start_memstream_serve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -322,7 +323,7 @@ def markdown(report: dict[str, Any]) -> str:
         + (" (**a stub, not a model: a development run, not the soak**)" if report["stub"] else "")
         + f"; chunk {settings['chunk_size']} tokens, memory/answer "
         f"{settings['max_memory_tokens']}/{settings['max_answer_tokens']} tokens. Serve "
-        f"start-up {report['serve_startup_s']} s. {report['machine']['cpus']} CPUs, load "
+        f"start-up {report['serve_startup_s']} s. {report['machine']['cpu']}, load "
         f"average {report['machine']['load_average']} before, "
         f"{report['machine']['load_average_end']} at the end (the soak's own processes "
         f"included). {result['requests']} requests, {result['backpressure_503']} answered 503 "
@@ -392,6 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": asdict(settings),
         "stub": args.openai_stub,
         "machine": {
+            "cpu": detect().describe(),
             "cpus": os.cpu_count(),
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "python": platform.python_version(),
