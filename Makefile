@@ -35,7 +35,7 @@ demo: setup
 test: setup models
 	bash infra/services/postgres.sh install
 	bash infra/services/chromium.sh install
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra --durations=30
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not engine and not server"

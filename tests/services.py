@@ -21,6 +21,7 @@ Start-up times are printed at the end of the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -100,7 +101,9 @@ def _s3_ready(server: S3Server) -> Callable[[], bool]:
 
     def ready() -> bool:
         try:
-            client.create_bucket(Bucket="memstream-health")
+            # a probe that failed half-way may have left the bucket behind
+            with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+                client.create_bucket(Bucket="memstream-health")
             client.put_object(Bucket="memstream-health", Key="probe", Body=b"ok")
             client.get_object(Bucket="memstream-health", Key="probe")["Body"].read()
             client.delete_object(Bucket="memstream-health", Key="probe")
@@ -174,7 +177,11 @@ class SeaweedFS:
     def start(self) -> float:
         """Seconds until it serves S3 again."""
         self.starts += 1
-        self.process = ServerProcess(self.command(), self.folder / f"weed-{self.starts}.log")
+        # weed adds an admin identity from AWS_* variables; a test's may name another server's.
+        env = {name: value for name, value in os.environ.items() if not name.startswith("AWS_")}
+        self.process = ServerProcess(
+            self.command(), self.folder / f"weed-{self.starts}.log", env=env
+        )
         try:
             return self.process.wait_until(_s3_ready(self.server), "SeaweedFS", timeout=240)
         except RuntimeError:

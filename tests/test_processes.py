@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
+
+from tests.services import SeaweedFS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -104,3 +107,18 @@ def test_a_killed_session_leaves_no_server_behind(tmp_path: Path) -> None:
     """SIGKILL runs no handler and no fixture: the server's watchdog ends it."""
     ending = signal.SIGKILL
     assert not _server_left_running(tmp_path / "killed", handle_sigterm=False, ending=ending)
+
+
+def test_a_second_seaweedfs_starts_beside_another_servers_aws_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fault tests start their own SeaweedFS while the session's S3 variables are set; weed
+    reads AWS_* as an admin identity, and with another server's secret it refused every probe."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "memstream-test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "the-secret-of-another-server")
+    weed = SeaweedFS(tmp_path)
+    try:
+        weed.start()
+        assert weed.server.client().list_buckets()["Buckets"] == []
+    finally:
+        weed.stop()

@@ -720,6 +720,9 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(app: ServeApp) -> 
 def test_serve_replaces_an_engine_replica_whose_engine_core_died(app: ServeApp) -> None:
     assert app.server is not None
     serve_processes = psutil.Process(app.server.process.pid)
+    _health_when(app, 200, timeout=600)
+    # a replica Serve is still replacing (the earlier tests load it) has no engine core yet
+    _wait_for(lambda: len(engine_cores(serve_processes)) == 1, "one live engine core", 600)
     (killed,) = engine_cores(serve_processes)
     os.kill(killed.pid, signal.SIGKILL)
     started = time.monotonic()
