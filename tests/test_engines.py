@@ -229,6 +229,21 @@ def test_openai_adapter_reports_an_unreachable_server() -> None:
         asyncio.run(engine.check_health())
 
 
+def test_openai_adapter_reports_a_connection_closed_as_it_opened_as_unreachable() -> None:
+    """anyio raises AttributeError (getpeername of None) when a server going down closes the
+    connection as it opens; seen in CI's down-server fault test. Other AttributeErrors stay."""
+    engine = OpenAIEngine(OpenAIEngineConfig(base_url="http://127.0.0.1:9/v1", model="m"))
+
+    async def fails_with(error: Exception) -> None:
+        raise error
+
+    dropped = AttributeError("'NoneType' object has no attribute 'getpeername'")
+    with pytest.raises(EngineError, match=r"cannot reach .*closed the connection as it opened"):
+        asyncio.run(engine._call(fails_with(dropped), 1.0, 0))
+    with pytest.raises(AttributeError, match="no attribute 'choices'"):
+        asyncio.run(engine._call(fails_with(AttributeError("no attribute 'choices'")), 1.0, 0))
+
+
 class ModelListServer(JsonHandler):
     """Answers every GET as /v1/models does, with the one model "m", after `delay_s` seconds."""
 

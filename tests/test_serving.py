@@ -722,7 +722,11 @@ def test_serve_replaces_an_engine_replica_whose_engine_core_died(app: ServeApp) 
     serve_processes = psutil.Process(app.server.process.pid)
     _health_when(app, 200, timeout=600)
     # a replica Serve is still replacing (the earlier tests load it) has no engine core yet
-    _wait_for(lambda: len(engine_cores(serve_processes)) == 1, "one live engine core", 600)
+    try:
+        _wait_for(lambda: len(engine_cores(serve_processes)) == 1, "one live engine core", 600)
+    except AssertionError:
+        seen = [" ".join(child.cmdline())[:80] for child in serve_processes.children(True)]
+        raise AssertionError(f"no one live engine core among {seen}") from None
     (killed,) = engine_cores(serve_processes)
     os.kill(killed.pid, signal.SIGKILL)
     started = time.monotonic()

@@ -141,6 +141,15 @@ class OpenAIEngine:
             ) from None
         except openai.APIConnectionError as error:
             raise EngineError(f"cannot reach {url} ({error}); is the server running?") from None
+        except AttributeError as error:
+            # anyio reads the peer of a socket its transport already dropped when the server
+            # closes the connection as it opens (a server going down): a refused call too
+            if "getpeername" not in str(error):
+                raise
+            raise EngineError(
+                f"cannot reach {url} (it closed the connection as it opened); is the server "
+                "running?"
+            ) from None
         except openai.AuthenticationError:
             raise EngineError(f"{url} rejected the API key; set ${config.api_key_env}") from None
         except openai.APIStatusError as error:
