@@ -1,15 +1,16 @@
 """The learner on Ray Train (pipeline.training.ray_learner) against the in-process learner, on
-the real SmolLM2-135M in fp32 and a fixed rollout batch (no engine): one CPU worker of a local
-Ray session (2 CPUs) takes the batch's optimiser steps through the trainer's own
-`learn_from_batch`, and leaves the same weights, the checkpoint and the metrics line where the
-in-process run does; a second step resumes from that checkpoint. Then two workers on a tiny
-model, for DDP. 4.5-8 minutes on two shared cores: each Ray Train run starts its workers and loads
-the model."""
+a tiny Llama with SmolLM2's vocabulary and tokenizer and a fixed rollout batch (no engine): one
+CPU worker of a local Ray session (2 CPUs) takes the batch's optimiser steps through the
+trainer's own `learn_from_batch`, and leaves the same weights, the checkpoint and the metrics
+line where the in-process run does; a second step resumes from that checkpoint. Then two
+workers, for DDP. The learner on the real SmolLM2 is tests/test_training_learner.py's and
+test_training_run.py's; here the model's size would only add minutes (5 of them on two cores)."""
 
 from __future__ import annotations
 
 import gc
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,11 +120,11 @@ def metrics_lines(output: Path) -> list[dict[str, object]]:
 
 
 def test_a_ray_train_worker_steps_like_the_in_process_learner(
-    ray_session: None, test_model_path: str, batch: RolloutBatch, tmp_path: Path
+    ray_session: None, tiny_model: str, batch: RolloutBatch, tmp_path: Path
 ) -> None:
-    local = train_config(test_model_path, tmp_path / "in-process")
+    local = train_config(tiny_model, tmp_path / "in-process")
     remote = train_config(
-        test_model_path, tmp_path / "ray", learner="ray-train", learner_cpus_per_worker=2
+        tiny_model, tmp_path / "ray", learner="ray-train", learner_cpus_per_worker=2
     )
     expected = one_step(local, 1, batch)
     reported = one_step(remote, 1, batch)
@@ -147,7 +148,7 @@ def test_a_ray_train_worker_steps_like_the_in_process_learner(
     # a weight by about lr·dg/|g|, or lr·dg/eps where |g| is below eps: far less than lr. A
     # tenth of one step separates the two; the weights must also have moved by steps of lr.
     largest_gap = largest_difference(local.output / CHECKPOINT_DIR, checkpoint)
-    largest_move = largest_difference(Path(test_model_path), checkpoint)
+    largest_move = largest_difference(Path(tiny_model), checkpoint)
     print(f"one worker: largest gap {largest_gap:.3g}, largest move {largest_move:.3g}")
     assert largest_gap <= LEARNING_RATE / 10, largest_gap
     assert largest_move >= LEARNING_RATE / 2, largest_move
@@ -164,9 +165,9 @@ def test_a_ray_train_worker_steps_like_the_in_process_learner(
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A randomly initialised two-layer Llama on SmolLM2's vocabulary: small enough for two
-    learner workers and an in-process learner on two cores."""
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, test_model_path: str) -> str:
+    """A randomly initialised two-layer Llama on SmolLM2's vocabulary, with its tokenizer: small
+    enough for two learner workers and an in-process learner on two cores."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -176,6 +177,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     )  # fmt: skip
     folder = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(folder)
+    for tokenizer_file in Path(test_model_path).glob("tokenizer*"):
+        shutil.copy(tokenizer_file, folder)
     return str(folder)
 
 
