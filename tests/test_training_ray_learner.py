@@ -4,7 +4,7 @@ CPU worker of a local Ray session (2 CPUs) takes the batch's optimiser steps thr
 trainer's own `learn_from_batch`, and leaves the same weights, the checkpoint and the metrics
 line where the in-process run does; a second step resumes from that checkpoint. Then two
 workers, for DDP. The learner on the real SmolLM2 is tests/test_training_learner.py's and
-test_training_run.py's; here the model's size would only add minutes (5 of them on two cores)."""
+test_training_run.py's; here the model's size would only add minutes."""
 
 from __future__ import annotations
 
