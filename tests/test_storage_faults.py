@@ -169,8 +169,10 @@ def test_short_s3_outage_while_reading_is_retried(
     bucket, facts = s3_reports(restartable_s3)
     outage = Outage(restartable_s3, at_start, restart_after_s=2)
     spec = s3_job(chat_server, restartable_s3, bucket, str(tmp_path / "out"), tmp_path)
-    summary = run_job(spec, on_progress=outage, progress_interval_s=0.01)
-    outage.wait()
+    try:
+        summary = run_job(spec, on_progress=outage, progress_interval_s=0.01)
+    finally:
+        outage.wait()  # the server is back for the next test, whatever this one did
     assert outage.stopped_at is not None and outage.back_at is not None
     assert_complete(summary, facts, local_parquet)
     assert summary.errors == 0
@@ -183,8 +185,10 @@ def test_short_s3_outage_during_the_parquet_export_is_retried(
     outage = Outage(restartable_s3, all_answered, restart_after_s=2)
     output = {"uri": f"s3://{bucket}/out", "s3_endpoint_url": restartable_s3.server.endpoint_url}
     spec = s3_job(chat_server, restartable_s3, bucket, output, tmp_path)
-    summary = run_job(spec, on_progress=outage, progress_interval_s=0.2)
-    outage.wait()
+    try:
+        summary = run_job(spec, on_progress=outage, progress_interval_s=0.2)
+    finally:
+        outage.wait()
     assert outage.stopped_at is not None and outage.back_at is not None
     assert_complete(summary, facts, s3_parquet(restartable_s3))
 
