@@ -18,10 +18,15 @@ SOAK_ARGS ?=
 # `make train`: the CPU demonstration of Multi-Conv DAPO (bench/train_demo.py); resumes a run
 # that was stopped. TRAIN_ARGS go to the script (e.g. --steps 10).
 TRAIN_ARGS ?=
+# `make lock`: writes infra/requirements.lock anew from $(VENV) (`pip freeze`, memstream left out):
+# the pins of every package of the venv, Airflow's closure included, which infra/setup.sh installs
+# with as constraints. After changing a dependency in pyproject.toml: `LOCK= make setup` (installs
+# without the lock), then `make lock`.
+LOCK_FILE := infra/requirements.lock
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup models demo test test-fast bench soak lint train
+.PHONY: setup models demo test test-fast bench soak lint train lock
 
 setup:
 	@bash infra/setup.sh
@@ -55,3 +60,18 @@ lint: setup
 	$(BIN)/lint-imports
 	$(BIN)/hadolint infra/docker/Dockerfile.cpu infra/docker/Dockerfile.gpu
 	$(BIN)/shellcheck infra/setup.sh infra/services/*.sh infra/docker/entrypoint.sh bench/gpu_check.sh
+
+lock:
+	@[ -f $(VENV)/.memstream-installed ] && [ $(VENV)/.memstream-installed -nt pyproject.toml ] || \
+	  { echo "make lock: $(VENV) is not installed from the current pyproject.toml;" \
+	    "run make setup (or LOCK= make setup, which ignores the old lock) first" >&2; exit 1; }
+	@{ echo "# Every package of the project's venv (the one infra/setup.sh builds, Airflow's closure"; \
+	  echo "# included) at its installed version: pip freeze --exclude-editable, memstream itself left"; \
+	  echo "# out. infra/setup.sh installs with it as constraints (-c); tests/test_lock.py checks the venv"; \
+	  echo "# against it. Written by \`make lock\` (after \`LOCK= make setup\` to move pins)."; \
+	  $(BIN)/python -c 'import platform as p; print(f"# Made on Python {p.python_version()}, {p.system()} {p.machine()}.", end=" ")'; \
+	  echo "torch +cpu: find-links or PyTorch's"; \
+	  echo "# CPU index. Not pinned: torchvision, torchaudio, torchcodec, triton (setup.sh removes them)."; \
+	  $(BIN)/pip freeze --exclude-editable --exclude memstream; } > $(LOCK_FILE).tmp
+	@mv $(LOCK_FILE).tmp $(LOCK_FILE)
+	@echo "memstream: $(LOCK_FILE) written from $(VENV), $$(grep -c '==' $(LOCK_FILE)) packages"
