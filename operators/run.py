@@ -26,7 +26,7 @@ class RunContext:
 
     run_id: str
     attempt: int
-    store_url: str
+    store_url: str = field(repr=False)  # may hold a database password
     engine: EngineSpec  # resolved: its dtype is concrete, and part of every chain's key
     method: MethodConfig
     questions: tuple[Question, ...]  # asked of every document

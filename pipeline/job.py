@@ -139,7 +139,8 @@ class JobSpec:
     engine: EngineSpec = field(default_factory=EngineSpec)
     method: MethodConfig = field(default_factory=MethodConfig)
     limits: DocumentLimits = field(default_factory=DocumentLimits)  # of one document
-    state_store: str | None = None  # SQLAlchemy URL; default: SQLite beside the output
+    # SQLAlchemy URL (kept out of repr: it may hold a password); default: SQLite beside the output
+    state_store: str | None = field(default=None, repr=False)
     # default: `<job key>-<n>`, a new one per run; the unfinished one is resumed
     run_id: str | None = None
     concurrency: ConcurrencySpec = field(default_factory=ConcurrencySpec)

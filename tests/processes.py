@@ -30,10 +30,23 @@ def engine_cores(root: psutil.Process) -> list[psutil.Process]:
     found = []
     for process in root.children(recursive=True):
         with contextlib.suppress(psutil.Error):  # it exited while we looked
-            named = "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline())
-            if named and process.status() != psutil.STATUS_ZOMBIE:
+            if process.status() != psutil.STATUS_ZOMBIE and _runs_engine_core(process):
                 found.append(process)
     return found
+
+
+def _runs_engine_core(process: psutil.Process) -> bool:
+    """Titled `VLLM::EngineCore` by vLLM; or, where the title did not take (in two CI suites
+    both of a Serve replica's engine processes kept their `multiprocessing.spawn` command line),
+    the spawned process whose parent was not spawned itself: EngineCore's own child is its
+    Worker."""
+    command = " ".join(process.cmdline())
+    if "EngineCore" in process.name() or "EngineCore" in command:
+        return True
+    if "multiprocessing.spawn" not in command:
+        return False
+    parent = " ".join(process.parent().cmdline())
+    return "multiprocessing.spawn" not in parent and "VLLM::" not in parent
 
 
 def end_session_on_sigterm() -> None:

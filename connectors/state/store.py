@@ -1006,7 +1006,11 @@ class StateStore:
             try:
                 return engine.connect()
             except OperationalError as error:
-                if engine.dialect.name != "postgresql" or waited + delay > RECONNECT_WAIT_S:
+                if (
+                    engine.dialect.name != "postgresql"
+                    or refused_login(error)
+                    or waited + delay > RECONNECT_WAIT_S
+                ):
                     raise
                 logger.warning(
                     "state store %s unreachable, retrying in %.2f s: %s",
@@ -1238,6 +1242,15 @@ def write_failure(connection: Connection, chain_key: str, error: str) -> None:
 def trajectory_row(row: Mapping[str, Any]) -> dict[str, Any]:
     """A `steps` row joined with its rejected quotes, as a trajectory table has it."""
     return {**row, "rejected_quotes": json.loads(row["rejected_quotes"] or "[]")}
+
+
+def refused_login(error: OperationalError) -> bool:
+    """A wrong password or an unknown role or database: waiting for the server will not help."""
+    reason = error.orig
+    sqlstate = getattr(reason, "sqlstate", None)
+    return sqlstate in {"28000", "28P01", "3D000"} or any(
+        words in str(reason) for words in ("authentication failed", "does not exist")
+    )
 
 
 def first_line(error: BaseException) -> str:
