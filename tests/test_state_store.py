@@ -237,3 +237,34 @@ def test_a_held_lock_is_renewed_while_its_holder_runs(migrated_store: StateStore
         time.sleep(1.0)  # past the first lease: renewed every 0.1 s
         assert migrated_store.try_lock("archive-a", holder("other"), never_gone).owner == mine.owner
     assert migrated_store.try_lock("archive-a", holder("other"), never_gone) is None
+
+
+@pytest.mark.server
+def test_a_connection_dropped_mid_call_is_opened_again_and_the_call_run_again(
+    postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As in a PostgreSQL restart or failover: the server ends the backend under a call's
+    transaction (pg_terminate_backend, "terminating connection due to administrator command");
+    the store runs the call again on a new connection, and its write is there once."""
+    from tests.services import schema_of_its_own
+
+    store = StateStore(schema_of_its_own(postgres_url))
+    store.migrate()
+    job_id = store.create_job(NewJob("a.txt", "upload:a.txt", ("Q?",), {}, data=b"text"))
+    admin = sa.create_engine(postgres_url)
+    ended: list[int] = []
+
+    @sa.event.listens_for(store.writer, "before_cursor_execute")
+    def end_the_backend_once(connection, cursor, statement, *_):  # type: ignore[no-untyped-def]
+        if not ended and statement.lstrip().upper().startswith("UPDATE"):
+            pid = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+            with admin.connect() as other:
+                other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            ended.append(pid)
+
+    assert store.cancel_job(job_id)
+    assert ended, "no backend was ended: the test did not reach the fault"
+    assert "running cancel_job again" in caplog.text
+    assert store.get_job(job_id).status == "cancelled"
+    store.close()
+    admin.dispose()

@@ -20,6 +20,7 @@ The store is picklable: each process opens its own connection pools on first use
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -52,7 +53,13 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import URL, Connection, Engine, RowMapping, make_url
-from sqlalchemy.exc import ArgumentError, DisconnectionError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    DisconnectionError,
+    OperationalError,
+    SQLAlchemyError,
+)
 
 from connectors.sql import redacted, with_default_driver
 from connectors.state.records import (
@@ -127,7 +134,34 @@ JOB_CHAIN_COLUMNS = (
 
 
 class StateStoreError(RuntimeError):
-    """A state store that cannot be used, in one line: which database, what is wrong."""
+    """A state store that cannot be used, in one line: which database, what is wrong.
+    `disconnected`: the server dropped the connection under the call (a restart), which rolled
+    its transaction back."""
+
+    def __init__(self, message: str, disconnected: bool = False) -> None:
+        super().__init__(message)
+        self.disconnected = disconnected
+
+
+def reconnecting(method: Callable[..., T]) -> Callable[..., T]:
+    """A store call run again when PostgreSQL dropped its connection under it (a restart, a
+    failover): its transaction was rolled back, and every write of the store is an upsert or a
+    guarded update, so running it again is safe. The next attempt's connection waits for the
+    server (`_connect`), up to RECONNECT_WAIT_S in all."""
+
+    @functools.wraps(method)
+    def call(self: StateStore, *args: Any, **kwargs: Any) -> T:
+        deadline = time.monotonic() + RECONNECT_WAIT_S
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except StateStoreError as error:
+                if not error.disconnected or time.monotonic() > deadline:
+                    raise
+                logger.warning("%s; running %s again", error, method.__name__)
+                time.sleep(0.25)
+
+    return call
 
 
 class JobConflict(Exception):
@@ -196,6 +230,7 @@ class StateStore:
 
     # --- corpus runs: planning (segment stage) and membership -----------------------------
 
+    @reconnecting
     def begin_run(
         self,
         run_id: str | None,
@@ -266,6 +301,7 @@ class StateStore:
             )
         return RunStart(run_id, 1, previous_run_id)
 
+    @reconnecting
     def finish_run(self, run_id: str, status: str) -> None:
         with self._write() as connection:
             connection.execute(
@@ -274,6 +310,7 @@ class StateStore:
                 .values(status=status, finished_at=time.time())
             )
 
+    @reconnecting
     def try_lock(
         self, key: str, holder: LockHolder, is_gone: Callable[[LockHolder], bool]
     ) -> LockHolder | None:
@@ -302,6 +339,7 @@ class StateStore:
             )
         return None
 
+    @reconnecting
     def renew_lock(self, key: str, owner: str, expires_at: float) -> bool:
         """Extends the lease of a lock `owner` holds; False when it no longer holds it."""
         with self._write() as connection:
@@ -312,6 +350,7 @@ class StateStore:
             ).rowcount
         return renewed == 1
 
+    @reconnecting
     def release_lock(self, key: str, owner: str) -> None:
         with self._write() as connection:
             connection.execute(
@@ -320,6 +359,7 @@ class StateStore:
                 )
             )
 
+    @reconnecting
     def supersede_previous(self, run_id: str, attempt: int) -> DocumentChanges:
         """Compares the run's attempt with the previous finished run over its archive: marks
         that run's answers rows this one replaced (`superseded_by`: the same document and
@@ -390,6 +430,7 @@ class StateStore:
             ).scalar_one()
         return DocumentChanges(previous_run_id, new, changed, unchanged, removed)
 
+    @reconnecting
     def plan_document(
         self,
         document: DocumentRecord,
@@ -441,6 +482,7 @@ class StateStore:
                 )
             return _statuses(connection, [chain.chain_key for chain in planned])
 
+    @reconnecting
     def document_with_content(
         self, run_id: str, attempt: int, content_sha256: str, source_uri: str
     ) -> str | None:
@@ -463,11 +505,13 @@ class StateStore:
         with self._read() as connection:
             return connection.execute(query).scalar()
 
+    @reconnecting
     def chain_statuses(self, chain_keys: Sequence[str]) -> dict[str, str]:
         """The status of each chain the store knows."""
         with self._read() as connection:
             return _statuses(connection, chain_keys)
 
+    @reconnecting
     def record_error(self, error: ErrorRecord) -> None:
         row = {**asdict(error), "created_at": time.time()}
         with self._write() as connection:
@@ -481,6 +525,7 @@ class StateStore:
 
     # --- chains: what `pipeline.resume` reads and writes ------------------------------------
 
+    @reconnecting
     def load_checkpoint(self, chain_key: str) -> Checkpoint | None:
         query = (
             select(
@@ -499,6 +544,7 @@ class StateStore:
             return None
         return Checkpoint(row.status, row.step, row.memory, row.answer, bool(row.has_evidence))
 
+    @reconnecting
     def mark_running(self, chain_key: str) -> bool:
         now = time.time()
         with self._write() as connection:
@@ -514,17 +560,20 @@ class StateStore:
             )
         return True
 
+    @reconnecting
     def record_step(self, checkpoint: StepCheckpoint) -> bool:
         """Writes one step and advances its chain, atomically."""
         with self._write() as connection:
             write_step(connection, checkpoint)
         return True
 
+    @reconnecting
     def mark_failed(self, chain_key: str, error: str) -> bool:
         with self._write() as connection:
             write_failure(connection, chain_key, error)
         return True
 
+    @reconnecting
     def record_grounding(self, chain_key: str, grounding: Grounding) -> bool:
         with self._write() as connection:
             write_grounding(connection, chain_key, grounding)
@@ -667,6 +716,7 @@ class StateStore:
         )
         return self._stream(query)
 
+    @reconnecting
     def chain_status_counts(self, run_id: str, attempt: int) -> dict[str, int]:
         query = (
             select(chains.c.status, func.count())
@@ -677,6 +727,7 @@ class StateStore:
         with self._read() as connection:
             return {status: count for status, count in connection.execute(query)}
 
+    @reconnecting
     def progress(self, run_id: str, attempt: int) -> RunProgress:
         """Model calls done and planned, and chains answered and planned, of the chains the
         run's attempt has planned so far."""
@@ -693,6 +744,7 @@ class StateStore:
         with self._read() as connection:
             return RunProgress(*connection.execute(query).one())
 
+    @reconnecting
     def document_counts(self, run_id: str, attempt: int) -> tuple[int, int]:
         """(documents with answers rows, documents with error rows) of the run's attempt."""
         answered = select(func.count(func.distinct(run_chains.c.source_uri))).where(
@@ -706,6 +758,7 @@ class StateStore:
                 failed
             ).scalar_one()
 
+    @reconnecting
     def busy_window(self, run_id: str, attempt: int, since: float) -> float:
         """Seconds from the start of the first model call to the end of the last one among
         the steps the run's attempt wrote after `since` (0 when it wrote none)."""
@@ -741,9 +794,11 @@ class StateStore:
             )
         return job_id
 
+    @reconnecting
     def get_job(self, job_id: str) -> JobState | None:
         return self._load_job(job_id, _job_state)
 
+    @reconnecting
     def cancel_job(self, job_id: str) -> bool:
         """Cancels an unfinished job: False when there is no such job, JobConflict when it has
         already finished."""
@@ -759,6 +814,7 @@ class StateStore:
             _add_end_event(connection, job_id, CANCELLED, None)
         return True
 
+    @reconnecting
     def events_after(self, job_id: str, after: int, limit: int = 500) -> list[Event]:
         with self._read() as connection:
             rows = connection.execute(
@@ -769,6 +825,7 @@ class StateStore:
             ).all()
         return [Event(event_id, kind, json.loads(data)) for event_id, kind, data in rows]
 
+    @reconnecting
     def count_jobs_by_status(self) -> dict[str, int]:
         with self._read() as connection:
             rows = connection.execute(
@@ -778,6 +835,7 @@ class StateStore:
 
     # --- Serve jobs: what replicas do (each write needs the job's lease) ---------------------
 
+    @reconnecting
     def claim_jobs(self, owner: str, lease_s: float, limit: int) -> list[str]:
         """Takes up to `limit` jobs that are queued or whose runner's lease ran out, oldest
         first, and leases them to `owner`. Replicas claiming at once get different jobs: rows
@@ -813,6 +871,7 @@ class StateStore:
                 )
         return job_ids
 
+    @reconnecting
     def renew_leases(self, owner: str, job_ids: Sequence[str], lease_s: float) -> set[str]:
         """Extends the leases `owner` still holds; returns the jobs it still holds."""
         if not job_ids:
@@ -823,6 +882,7 @@ class StateStore:
             connection.execute(update(jobs).where(held).values(lease_expires_at=now + lease_s))
             return set(connection.execute(select(jobs.c.job_id).where(held)).scalars())
 
+    @reconnecting
     def release_jobs(self, owner: str, job_ids: Sequence[str]) -> None:
         """Gives jobs back unfinished (the replica is shutting down) for any replica to resume."""
         if not job_ids:
@@ -834,9 +894,11 @@ class StateStore:
                 .values(owner=None, lease_expires_at=None, updated_at=time.time())
             )
 
+    @reconnecting
     def load_job_input(self, job_id: str) -> JobInput | None:
         return self._load_job(job_id, _job_input)
 
+    @reconnecting
     def save_job_document(
         self, job_id: str, owner: str, text: str, document: dict[str, Any], questions: Sequence[str]
     ) -> bool:
@@ -876,6 +938,7 @@ class StateStore:
             )
         return True
 
+    @reconnecting
     def record_job_step(
         self, job_id: str, owner: str, chain_index: int, step: StepCheckpoint
     ) -> bool:
@@ -906,6 +969,7 @@ class StateStore:
             )
         return True
 
+    @reconnecting
     def fail_job_chain(self, job_id: str, owner: str, chain_index: int, error: str) -> bool:
         with self._write() as connection:
             if not self._still_held(connection, owner, job_id):
@@ -913,6 +977,7 @@ class StateStore:
             write_failure(connection, job_chain_key(job_id, chain_index), error)
         return True
 
+    @reconnecting
     def job_trajectory(self, job: JobState) -> list[dict[str, Any]]:
         """Every model call of the job's chains, in order, as rows of a run's trajectory table."""
         keys = {state.chain_key: state.chain_index for state in job.chains}
@@ -934,6 +999,7 @@ class StateStore:
             for row in rows
         ]
 
+    @reconnecting
     def record_job_grounding(
         self, job_id: str, owner: str, chain_index: int, grounding: Grounding
     ) -> bool:
@@ -944,6 +1010,7 @@ class StateStore:
             write_grounding(connection, job_chain_key(job_id, chain_index), grounding)
         return True
 
+    @reconnecting
     def finish_job(self, job_id: str, owner: str, status: str, error: str | None = None) -> bool:
         """Ends a job the owner holds as succeeded or failed, with its `end` event."""
         with self._write() as connection:
@@ -971,6 +1038,7 @@ class StateStore:
             jobs.c.job_id.in_(list(job_ids)), jobs.c.owner == owner, jobs.c.status == RUNNING
         )
 
+    @reconnecting
     def holds_lease(self, owner: str, job_id: str) -> bool:
         with self._read() as connection:
             return self._still_held(connection, owner, job_id)
@@ -1034,7 +1102,8 @@ class StateStore:
                 f"timeout of {sqlite_busy_timeout_s(self.url):g} s (?timeout=SECONDS in the "
                 "URL waits longer); what was written is kept, run the job again to resume"
             )
-        return StateStoreError(f"state store {self.safe_url}: {reason}")
+        disconnected = isinstance(error, DBAPIError) and error.connection_invalidated
+        return StateStoreError(f"state store {self.safe_url}: {reason}", disconnected)
 
     def _stream(self, query: Any, batch_size: int = 1000) -> Iterator[dict[str, Any]]:
         with self._read() as connection:
