@@ -394,16 +394,6 @@ def app(
         yield served
 
 
-@pytest.fixture
-def fresh_app(
-    tmp_path_factory: pytest.TempPathFactory, test_model_path: str, s3_server
-) -> Iterator[ServeApp]:  # type: ignore[no-untyped-def]
-    """An app of the test's own. In two full suites (not alone, nor after the engine tests) the
-    module's app, after the tests before, showed no live EngineCore among its processes."""
-    with serve_app(tmp_path_factory, test_model_path, s3_server) as served:
-        yield served
-
-
 @contextmanager
 def serve_app(
     tmp_path_factory: pytest.TempPathFactory, test_model_path: str, s3_server
@@ -737,9 +727,9 @@ def test_sixteen_concurrent_clients_each_get_their_own_answer(app: ServeApp) -> 
 
 
 @pytest.mark.engine
-@pytest.mark.server
-def test_serve_replaces_an_engine_replica_whose_engine_core_died(fresh_app: ServeApp) -> None:
-    app = fresh_app
+def test_serve_replaces_an_engine_replica_whose_engine_core_died_and_queued_jobs_finish(
+    app: ServeApp,
+) -> None:
     assert app.server is not None
     serve_processes = psutil.Process(app.server.process.pid)
     # /healthz answered 200 at start-up; the engine core may still be finishing its start
@@ -749,6 +739,10 @@ def test_serve_replaces_an_engine_replica_whose_engine_core_died(fresh_app: Serv
         seen = _commands(serve_processes)
         raise AssertionError(f"no one live engine core among {seen}") from None
     (killed,) = engine_cores(serve_processes)
+    with app.client() as client:
+        queued = client.post(
+            "/v1/jobs", json={"text": _document("AMBERHERON", 8), "questions": ["Code word?"]}
+        ).json()["job_id"]
     os.kill(killed.pid, signal.SIGKILL)
     started = time.monotonic()
     unhealthy = _health_when(app, 503, timeout=60)
@@ -763,8 +757,13 @@ def test_serve_replaces_an_engine_replica_whose_engine_core_died(fresh_app: Serv
         response = client.post(
             "/v1/answer", json={"text": _document("TOPAZWALRUS", 1), "questions": ["Code word?"]}
         )
+        events = _read_events(client, queued)  # resumed once its lease ran out
+        status = client.get(f"/v1/jobs/{queued}").json()
     assert response.status_code == 200, response.text
     assert response.json()["answers"][0]["status"] == "ok"
+    assert events[-1][0] == "end" and status["status"] == "succeeded", status
+    steps = [data["segments_done"] for kind, data in events if kind == "memory"]
+    assert steps[-1] == status["document"]["n_segments"], steps
 
 
 @pytest.mark.engine
