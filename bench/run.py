@@ -28,6 +28,7 @@ BENCHMARKS = (
     "multi_question",
     "pipeline_overhead",
     "corpus_efficiency",
+    "incremental",
 )
 SERVING = "bench_serving"
 RESULT_NAMES = {SERVING: "serving"}  # script -> the name of its results file, where they differ
