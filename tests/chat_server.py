@@ -194,25 +194,34 @@ def fact_job(
 ) -> JobSpec:
     """A job on the server's model: segmented by the test model's tokenizer, in segments that
     end at a line's end (no fact is cut in two), with room for every fact in the memory."""
-    return JobSpec.from_dict(
-        {
-            "sources": sources,
-            "questions": [QUESTION],
-            "output": output,
-            "engine": {
-                "kind": "openai",
-                "model": TEST_MODEL,
-                "served_model": server.model,
-                "base_url": server.base_url,
-                **(engine or {}),
-            },
-            "method": {
-                "template": "memagent-reference",
-                "chunk_size": 32,
-                "snap_window": 24,
-                "max_memory_tokens": 96,
-                "max_answer_tokens": 48,
-            },
-            **fields,
-        }
-    )
+    return JobSpec.from_dict(fact_job_fields(server, sources, output, engine, **fields))
+
+
+def fact_job_fields(
+    server: FactChatServer,
+    sources: list[Any],
+    output: str | dict[str, Any],
+    engine: dict[str, Any] | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """`fact_job` as a user writes it in a job file."""
+    return {
+        "sources": sources,
+        "questions": [QUESTION],
+        "output": output,
+        "engine": {
+            "kind": "openai",
+            "model": TEST_MODEL,
+            "served_model": server.model,
+            "base_url": server.base_url,
+            **(engine or {}),
+        },
+        "method": {
+            "template": "memagent-reference",
+            "chunk_size": 32,
+            "snap_window": 24,
+            "max_memory_tokens": 96,
+            "max_answer_tokens": 48,
+        },
+        **fields,
+    }

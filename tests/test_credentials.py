@@ -40,8 +40,7 @@ import yaml
 
 from pipeline.cli.flags import EXIT_PARTIAL_FAILURE
 from pipeline.job import JobError, JobSpec, run_job
-from tests.chat_server import QUESTION, FactChatServer, JsonHandler
-from tests.conftest import TEST_MODEL
+from tests.chat_server import FactChatServer, JsonHandler, fact_job_fields
 from tests.fake_engine import FACT
 from tests.processes import free_port
 from tests.services import PostgresServer, S3Server, require_credential_checks
@@ -215,27 +214,8 @@ def s3_reports(s3: S3Server) -> tuple[dict[str, Any], dict[str, set[str]]]:
 def job(
     server: FactChatServer, source: dict[str, Any], output: Path, state_store: str, **engine: Any
 ) -> dict[str, Any]:
-    """The job as a user writes it (as tests.chat_server.fact_job, with a YAML form)."""
-    return {
-        "sources": [source],
-        "questions": [QUESTION],
-        "output": str(output),
-        "state_store": state_store,
-        "engine": {
-            "kind": "openai",
-            "model": TEST_MODEL,
-            "served_model": server.model,
-            "base_url": server.base_url,
-            **engine,
-        },
-        "method": {
-            "template": "memagent-reference",
-            "chunk_size": 32,
-            "snap_window": 24,
-            "max_memory_tokens": 96,
-            "max_answer_tokens": 48,
-        },
-    }
+    """The job as a user writes it."""
+    return fact_job_fields(server, [source], str(output), engine, state_store=state_store)
 
 
 def files_under(folder: Path) -> dict[str, bytes]:
