@@ -10,6 +10,7 @@ the files whole, so a rerun replaces them instead of adding to them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -219,15 +220,21 @@ class ResultWriter:
         return written
 
     def _replace(self, file_name: str, write: Callable[[str], None]) -> None:
-        """Local files are written beside and moved into place; an S3 object appears whole
-        when its upload completes."""
+        """Local files are written beside and moved into place; one that cannot be finished
+        (a full disk) is removed, not left to hold the space the rerun needs. An S3 object
+        appears whole when its upload completes."""
         target = f"{self.folder}/{file_name}"
         if not self._is_local:
             write(target)
             return
         partial = f"{target}.partial"
-        write(partial)
-        self.filesystem.move(partial, target)
+        try:
+            write(partial)
+            self.filesystem.move(partial, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.filesystem.delete_file(partial)
+            raise
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         with self.filesystem.open_output_stream(path) as stream:
