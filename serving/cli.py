@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Sequence
@@ -18,14 +19,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from pipeline.cli import terminal
 from pipeline.cli.flags import EXIT_USAGE
 from pipeline.config import ConfigError
 from pipeline.engines.hardware import DTYPE_HELP, DTYPES
+from pipeline.engines.reaper import end_processes, start_descendants_watchdog
 from serving.config import ServingConfig, load_config
 from serving.security import ApiKeys, api_keys_of
 
 EXIT_START_FAILED = 1
+# Between SIGTERM and SIGKILL for what a private Ray instance leaves. Ray gives its own processes
+# 1 s; its agents and workers whose raylet is gone were all still there 5 s after a SIGTERM.
+RAY_LEFTOVERS_GRACE_S = 2.0
 
 
 def register(subparsers: Any) -> None:
@@ -131,6 +138,7 @@ class ServeServer:
         self.keys = keys
         self._ray_started = False
         self._app_started = False
+        self._watchdog: subprocess.Popen[bytes] | None = None
         self.running = False
 
     @property
@@ -157,6 +165,10 @@ class ServeServer:
             }
         ray.init(**options)
         self._ray_started = True
+        if self.private_ray:
+            # Ray's agents are the raylet's children and outlive it for minutes when the
+            # driver is killed (SIGKILL): the watchdog ends every process the driver started.
+            self._watchdog = start_descendants_watchdog(RAY_LEFTOVERS_GRACE_S)
         if on_ray_started is not None:
             on_ray_started()
         server = self.config.server
@@ -182,8 +194,24 @@ class ServeServer:
                 serve.delete(APP_NAME)
             self._app_started = False
         if self._ray_started:
+            started = self._ray_processes()
             ray.shutdown()
+            # ray.shutdown SIGKILLs a raylet still there a second after its SIGTERM (a loaded
+            # machine), and the agents it started then live on: what is left is ended here.
+            end_processes(started, RAY_LEFTOVERS_GRACE_S)
             self._ray_started = False
+        if self._watchdog is not None:
+            self._watchdog.terminate()
+            self._watchdog.wait()
+            self._watchdog = None
+
+    def _ray_processes(self) -> list[psutil.Process]:
+        """The private Ray instance's processes: this process's descendants but the watchdog;
+        none when Ray is a cluster this server joined."""
+        if not self.private_ray:
+            return []
+        watchdog = None if self._watchdog is None else self._watchdog.pid
+        return [p for p in psutil.Process().children(recursive=True) if p.pid != watchdog]
 
 
 def first_line(error: BaseException) -> str:
