@@ -23,10 +23,14 @@ TRAIN_ARGS ?=
 # with as constraints. After changing a dependency in pyproject.toml: `LOCK= make setup` (installs
 # without the lock), then `make lock`.
 LOCK_FILE := infra/requirements.lock
+# `make audit`: infra/requirements.lock against OSV's advisories with pip-audit (infra/audit.py);
+# accepted advisories, each with a reason, in infra/audit-allowlist.toml. Needs api.osv.dev
+# (AUDIT_ARGS=--osv-url URL for a mirror); exits 2 with one line when it cannot reach it.
+AUDIT_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup models demo test test-fast bench soak lint train lock
+.PHONY: setup models demo test test-fast bench soak lint train lock audit
 
 setup:
 	@bash infra/setup.sh
@@ -60,6 +64,9 @@ lint: setup
 	$(BIN)/lint-imports
 	$(BIN)/hadolint infra/docker/Dockerfile.cpu infra/docker/Dockerfile.gpu
 	$(BIN)/shellcheck infra/setup.sh infra/services/*.sh infra/docker/entrypoint.sh bench/gpu_check.sh
+
+audit: setup
+	$(BIN)/python infra/audit.py $(AUDIT_ARGS)
 
 lock:
 	@[ -f $(VENV)/.memstream-installed ] && [ $(VENV)/.memstream-installed -nt pyproject.toml ] || \
