@@ -6,7 +6,7 @@ import glob
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote, urlparse
 
 from connectors.base import (
@@ -21,41 +21,81 @@ from pipeline.core.document import Document
 GLOB_CHARS = ("*", "?", "[")
 
 
+class Listed(NamedTuple):
+    path: Path
+    root: Path | None  # the folder walked or the pattern's fixed part; None: a file named itself
+
+
 def expand_paths(paths: Sequence[str]) -> Iterator[Path]:
     """The files that paths name, once each, in order: every argument in turn, and within a
     folder or a glob sorted by path. Hidden files and folders are skipped inside folders and
     globs, and so are sidecar question files."""
+    for listed in list_files(paths):
+        yield listed.path
+
+
+def list_files(paths: Sequence[str]) -> Iterator[Listed]:
+    """expand_paths, with the root each file was found under, for `link_outside`."""
     seen: set[Path] = set()
     for pattern in paths:
-        for path in _expand_one(pattern):
-            if path not in seen and not is_sidecar(path.name):
-                seen.add(path)
-                yield path
+        for listed in _expand_one(pattern):
+            if listed.path not in seen and not is_sidecar(listed.path.name):
+                seen.add(listed.path)
+                yield listed
 
 
-def _expand_one(pattern: str) -> Iterator[Path]:
+def link_outside(path: Path, root: Path | None) -> bool:
+    """Whether a symbolic link on the way from `root` to `path` leads out of `root`.
+
+    A folder of untrusted documents may hold a link to `~/.aws/credentials`: what a walk or a
+    pattern finds is read only when it really lies under the folder. A file named itself is the
+    user's choice and is followed."""
+    if root is None:
+        return False
+    return not path.resolve().is_relative_to(root.resolve())
+
+
+def _expand_one(pattern: str) -> Iterator[Listed]:
     pattern = os.path.expanduser(_strip_file_scheme(pattern))
     if any(char in pattern for char in GLOB_CHARS):
+        root = _fixed_part(pattern)
         for match in sorted(glob.iglob(pattern, recursive=True)):
             path = Path(match).absolute()
             if path.is_dir():
-                yield from _walk(path)
+                yield from _walk(path, root)
             elif path.is_file():
-                yield path
+                yield Listed(path, root)
         return
     path = Path(pattern).absolute()
     if path.is_dir():
-        yield from _walk(path)
+        yield from _walk(path, path)
     elif path.is_file():
-        yield path
+        yield Listed(path, None)
 
 
-def _walk(folder: Path) -> Iterator[Path]:
-    for root, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(name for name in dirnames if not is_hidden(name))
-        for name in sorted(filenames):
+def _fixed_part(pattern: str) -> Path:
+    """The folder a glob pattern cannot leave: its parts before the first wildcard."""
+    fixed = []
+    for part in Path(pattern).parts:
+        if any(char in part for char in GLOB_CHARS):
+            break
+        fixed.append(part)
+    return Path(*fixed).absolute() if fixed else Path.cwd()
+
+
+def _walk(folder: Path, root: Path) -> Iterator[Listed]:
+    for top, dirnames, filenames in os.walk(folder):
+        visible = sorted(name for name in dirnames if not is_hidden(name))
+        # os.walk does not enter linked folders; one that leads out is listed, to be refused.
+        dirnames[:] = visible
+        linked_out = [
+            name
+            for name in visible
+            if Path(top, name).is_symlink() and link_outside(Path(top, name), root)
+        ]
+        for name in sorted(filenames + linked_out):
             if not is_hidden(name):
-                yield Path(root, name)
+                yield Listed(Path(top, name), root)
 
 
 def _strip_file_scheme(path: str) -> str:
@@ -98,14 +138,22 @@ class LocalSource:
         return [tuple(self.paths)]
 
     def shard_documents(self, shard: Any) -> Iterator[Document]:
-        for path in expand_paths(shard):
+        for path, root in list_files(shard):
+            if link_outside(path, root):
+                yield Document(
+                    path.as_uri(),
+                    path.name,
+                    error=f"{path.name} is a symbolic link that leads out of {root}: not read "
+                    "(name the file itself to read it)",
+                )
+                continue
             try:
                 stat = path.stat()
             except OSError as e:  # gone since the walk saw it
                 yield Document(path.as_uri(), path.name, error=f"cannot read {path}: {e}")
                 continue
             try:
-                questions, error = _sidecar_questions(path), None
+                questions, error = _sidecar_questions(path, root), None
             except (SourceError, OSError, UnicodeDecodeError) as e:
                 questions, error = (), f"questions beside {path.name}: {e}"
             yield Document(
@@ -118,7 +166,9 @@ class LocalSource:
             )
 
     def sizes(self) -> Iterator[int]:
-        for path in expand_paths(self.paths):
+        for path, root in list_files(self.paths):
+            if link_outside(path, root):
+                continue
             try:
                 yield path.stat().st_size
             except OSError:
@@ -132,10 +182,12 @@ class LocalSource:
             raise SourceError(f"cannot read {path}: {e.strerror or e}") from None
 
 
-def _sidecar_questions(path: Path) -> tuple[str, ...]:
+def _sidecar_questions(path: Path, root: Path | None) -> tuple[str, ...]:
     questions: tuple[str, ...] = ()
     for suffix in SIDECAR_SUFFIXES:
         sidecar = path.with_name(path.name + suffix)
         if sidecar.is_file():
+            if link_outside(sidecar, root or path.parent):
+                raise SourceError(f"{sidecar.name} is a symbolic link that leads out of the folder")
             questions += parse_sidecar(sidecar.name, sidecar.read_bytes())
     return questions

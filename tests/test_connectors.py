@@ -506,6 +506,46 @@ def test_local_bad_sidecar_is_an_item_error(local_tree: Path) -> None:
     assert items["a.txt"].error is None and items["a.txt"].questions == ("Who?", "What?")
 
 
+def test_symbolic_links_out_of_a_walked_folder_are_errors_not_reads(
+    local_tree: Path, tmp_path: Path
+) -> None:
+    """An untrusted folder's links to files elsewhere (credentials, /etc) are refused with a
+    reason; links within the folder are read; a file named itself is followed."""
+    secret = write(tmp_path / "home" / ".aws" / "credentials", "aws_secret_access_key = S3CR3T")
+    write(tmp_path / "home" / "notes.txt", "private notes")
+    (local_tree / "creds.txt").symlink_to(secret)
+    (local_tree / "sub" / "home").symlink_to(secret.parent.parent, target_is_directory=True)
+    (local_tree / "again.txt").symlink_to(local_tree / "b.txt")
+    (local_tree / "c.md.questions.txt").symlink_to(secret)  # a sidecar of no document
+    (local_tree / "b.txt.questions.txt").symlink_to(secret)
+
+    source = LocalSource([str(local_tree)])
+    items = {item.name: item for item in source.documents()}
+    assert sorted(items) == ["a.txt", "again.txt", "b.txt", "c.md", "creds.txt", "d.pdf", "home"]
+    for name in ("creds.txt", "home"):
+        assert f"{name} is a symbolic link that leads out of {local_tree}" in str(items[name].error)
+        assert items[name].size is None
+    assert "b.txt.questions.txt is a symbolic link" in str(items["b.txt"].error)
+    assert items["b.txt"].questions == ()
+    assert items["again.txt"].error is None
+    assert source.read_bytes(items["again.txt"]) == b"bee"
+    assert len(list(source.sizes())) == 5
+    rows = [
+        row for block in read_shard(source, 1, source.shards(1)[0]) for row in block.to_pylist()
+    ]
+    assert not any(b"S3CR3T" in (row["data"] or b"") for row in rows)
+
+    pattern = LocalSource([str(local_tree / "**" / "*.txt")])
+    globbed = {item.name: item for item in pattern.documents()}
+    assert "symbolic link" in str(globbed["creds.txt"].error)
+    # ** enters linked folders: what it finds there is refused the same way
+    assert "symbolic link" in str(globbed["notes.txt"].error)
+    assert globbed["again.txt"].error is None
+
+    named = LocalSource([str(local_tree / "creds.txt")])
+    assert [item.error for item in named.documents()] == [None]
+
+
 def test_read_shards_carry_the_content_in_blocks_of_about_block_bytes(local_tree: Path) -> None:
     source = LocalSource([str(local_tree)])
     rows = [

@@ -144,9 +144,16 @@ def fake_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[FactEngine]:
     yield engine
 
 
-def test_every_hostile_file_is_answered_or_an_errors_row_with_its_reason(
-    corpus: Path, tmp_path: Path, fake_job: FactEngine
-) -> None:
+class StagesRun(NamedTuple):
+    listed: list[Any]
+    answers: dict[str, dict[str, Any]]  # by document name
+    errors: dict[str, dict[str, Any]]
+    results: list[dict[str, Any]]
+
+
+def run_stages(folder: Path, tmp_path: Path) -> StagesRun:
+    """The job's stages over a folder (LocalSource, read + parse, segment, memory) on the
+    fake engine and a SQLite store, and the rows the store holds after."""
     from operators import run as run_module
 
     url = f"sqlite:///{tmp_path / 'state.sqlite'}"
@@ -155,7 +162,7 @@ def test_every_hostile_file_is_answered_or_an_errors_row_with_its_reason(
     attempt = store.begin_run(RUN_ID, {"test": "hostile"}).attempt
     spec = EngineSpec(model="fake-model", dtype="float32")
     context = RunContext(RUN_ID, attempt, url, spec, METHOD, (Question("q0", QUESTION),), LIMITS)
-    source = LocalSource([str(corpus)])
+    source = LocalSource([str(folder)])
     listed = list(source.documents())
     documents = ReadParseStage([source], context)(documents_table(listed))
     plans = SegmentStage(context)(documents)
@@ -170,6 +177,13 @@ def test_every_hostile_file_is_answered_or_an_errors_row_with_its_reason(
     errors = {row["name"]: row for row in store.errors(RUN_ID, attempt)}
     store.close()
     run_module.open_store(url).close()
+    return StagesRun(listed, answers, errors, results)
+
+
+def test_every_hostile_file_is_answered_or_an_errors_row_with_its_reason(
+    corpus: Path, tmp_path: Path, fake_job: FactEngine
+) -> None:
+    listed, answers, errors, results = run_stages(corpus, tmp_path)
 
     expected = {name: hostile.outcome for name, hostile in hostile_files().items()}
     assert len(listed) == len(expected)
@@ -194,6 +208,29 @@ def test_every_hostile_file_is_answered_or_an_errors_row_with_its_reason(
     ran = [row["source_uri"] for row in results]
     assert not any(uri.endswith("same-content-copy.txt") for uri in ran)
     assert len(results) == sum(outcome == "answered" for outcome in expected.values())
+
+
+def test_a_link_out_of_the_folder_is_an_errors_row_and_what_it_points_at_is_never_read(
+    tmp_path: Path, fake_job: FactEngine
+) -> None:
+    secret = tmp_path / "elsewhere" / "credentials"
+    secret.parent.mkdir()
+    secret.write_text("fact-secret aws_secret_access_key = S3CR3T-VALUE\n")
+    folder = tmp_path / "untrusted"
+    folder.mkdir()
+    (folder / "report.txt").write_text(FACT_TEXT)
+    (folder / "innocent.txt").symlink_to(secret)
+    (folder / "linked-folder").symlink_to(secret.parent, target_is_directory=True)
+
+    listed, answers, errors, _ = run_stages(folder, tmp_path)
+
+    assert len(listed) == 3 and len(answers) + len(errors) == 3
+    assert answers["report.txt"]["status"] == "done"
+    for name in ("innocent.txt", "linked-folder"):
+        assert "is a symbolic link that leads out of" in errors[name]["message"], errors[name]
+    assert not any("S3CR3T" in request.prompt for request in fake_job.requests)
+    assert fake_job.requests  # the good file did reach the engine
+    assert "S3CR3T" not in repr(answers) + repr(errors)
 
 
 @pytest.mark.parametrize("name", sorted(hostile_files()))
