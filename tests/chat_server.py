@@ -5,12 +5,13 @@ of the test process, so Ray workers reach it over real HTTP.
 
 `fault` is what the chat route does now: None (answers), "500" (an error status), "slow"
 (answers after `slow_s`, past the client's timeout) or "trickle" (a 200 whose body comes one
-byte at a time, each before the client's read timeout); `delay_s` delays every reply, and
-`prompts` keeps the prompt of every chat request. `stop()` closes the port (connections
-are refused) and `start()` opens it again, on the same port. As a context manager it is
-started and stopped. `before_reply(n)` runs in the
-handler of the n-th chat request, before it is answered: the place to change the world in the
-middle of a run, as FactEngine's `before_reply` is.
+byte at a time, each before the client's read timeout); `delay_s` delays every reply;
+`pad_next_bytes` pads the next reply's text with that many spaces (a reply that makes its
+reader allocate); `prompts` keeps the prompt of every chat request. `stop()` closes the port
+(connections are refused) and `start()` opens it again, on the same port. As a context manager
+it is started and stopped. `before_reply(n)` runs in the handler of the n-th chat request,
+before it is answered: the place to change the world in the middle of a run, as FactEngine's
+`before_reply` is.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class FactChatServer:
         self.port = free_port()
         self.fault: Fault | None = None
         self.delay_s = 0.0
+        self.pad_next_bytes = 0
         self.prompts: list[str] = []
         self.before_reply: Callable[[int], None] | None = None
         self.chat_requests = 0  # every attempt the adapter made, retries included
@@ -131,8 +133,9 @@ class FactChatServer:
                 prompt = body["messages"][-1]["content"]
                 with owner._lock:
                     owner.prompts.append(prompt)
+                    pad, owner.pad_next_bytes = owner.pad_next_bytes, 0
                 time.sleep(owner.delay_s)
-                text = reply_to(prompt)
+                text = reply_to(prompt) + " " * pad
                 answer = json.dumps(chat_completion(owner.model, text, prompt)).encode()
                 if fault == "slow":
                     time.sleep(owner.slow_s)

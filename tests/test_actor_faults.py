@@ -1,7 +1,10 @@
-"""The memory-stage actor's process killed with SIGKILL in the middle of a job, the driver left
-alone (issue 18, item 1): `run_job` through Ray Data on a local Ray session, the engine an
-OpenAI-compatible server on loopback (tests/chat_server.py) that answers slowly, so the kill
-lands while every chain is half-way through its document.
+"""The memory-stage actor's process killed in the middle of a job, the driver left alone (issue
+18, item 1): with SIGKILL, and by the kernel's OOM killer (the process moved into a memory cgroup
+of 16 MiB, then sent a 64 MiB reply: as a worker over its container's memory limit is killed;
+this needs root and a cgroup memory controller, and skips without them). `run_job` runs through
+Ray Data on a local Ray session, the engine an OpenAI-compatible server on loopback
+(tests/chat_server.py) that answers slowly, so the kill lands while every chain is half-way
+through its document.
 
 The actor killed is the one MemoryStage actor of the job's actor pool: the same actor that, in a
 job whose engine kind is `vllm`, owns the vLLM engine. Here its engine is the `openai` adapter,
@@ -16,11 +19,13 @@ are kept as they were, and the only model calls asked twice are those the kill c
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sqlite3
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +91,72 @@ def steps_in(database: Path) -> dict[tuple[str, int], float]:
     return {(chain_key, step): created_at for chain_key, step, created_at in rows}
 
 
+class MemoryCgroup:
+    """A memory cgroup of its own (v1 `memory` controller or v2), removed by `remove`."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        v1 = Path("/sys/fs/cgroup/memory")
+        v2 = Path("/sys/fs/cgroup")
+        self.v1 = (v1 / "memory.limit_in_bytes").exists()
+        root = v1 if self.v1 else v2
+        if not self.v1 and "memory" not in (v2 / "cgroup.subtree_control").read_text().split():
+            raise PermissionError("no cgroup memory controller to use")
+        self.path = root / f"memstream-test-oom-{uuid.uuid4().hex[:8]}"
+        self.path.mkdir()
+        limit = "memory.limit_in_bytes" if self.v1 else "memory.max"
+        (self.path / limit).write_text(str(limit_bytes))
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def oom_kills(self) -> int:
+        events = "memory.oom_control" if self.v1 else "memory.events"
+        for line in (self.path / events).read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def remove(self) -> None:
+        for _ in range(100):  # a dead process leaves its cgroup a moment after it exits
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
+
+
+def cgroup_unavailable() -> str | None:
+    """Why the OOM case cannot run here, or None."""
+    try:
+        MemoryCgroup(1 << 30).remove()
+    except OSError as error:
+        return f"no memory cgroup can be made here ({error}): the OOM kill needs root"
+    return None
+
+
+def kill_with_sigkill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.3)  # requests already sent reach the server's counter
+
+
+def kill_by_the_oom_killer(pid: int, server: FactChatServer) -> None:
+    """Moves the process into a cgroup of 16 MiB, where only its new memory is counted, and has
+    the server's next reply carry 64 MiB of padding: reading it takes the process over the limit,
+    and the kernel's OOM killer ends it."""
+    cgroup = MemoryCgroup(16 << 20)
+    try:
+        cgroup.add(pid)
+        server.pad_next_bytes = 64 << 20
+        deadline = time.monotonic() + 60
+        while psutil.pid_exists(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not psutil.pid_exists(pid), "the actor outlived its cgroup's limit for 60 s"
+        assert cgroup.oom_kills() >= 1, "the actor died, but not by the OOM killer"
+    finally:
+        cgroup.remove()
+
+
 @dataclass
 class Kill:
     """What the kill saw: the process it killed and the state of the run at that moment."""
@@ -101,11 +172,18 @@ class Kill:
 
 class ActorKiller:
     """The job's progress callback: once `after_steps` steps are recorded and no chain is done,
-    kills the alive memory-stage actor's process with SIGKILL (that one pid, checked to be the
+    kills the alive memory-stage actor's process with `kill` (that one pid, checked to be the
     MemoryStage worker first); then watches for the actor to be alive again in another process."""
 
-    def __init__(self, server: FactChatServer, database: Path, after_steps: int) -> None:
+    def __init__(
+        self,
+        server: FactChatServer,
+        database: Path,
+        after_steps: int,
+        kill: Callable[[int], None],
+    ) -> None:
         self.server, self.database, self.after_steps = server, database, after_steps
+        self.kill_process = kill
         self.kill: Kill | None = None
         self.revived: dict[str, Any] | None = None  # the actor's entry, alive after the kill
 
@@ -123,9 +201,8 @@ class ActorKiller:
         if actor is None or not is_memory_stage(actor):
             return
         pid = actor["Pid"]
-        os.kill(pid, signal.SIGKILL)
+        self.kill_process(pid)
         at = time.time()
-        time.sleep(0.3)  # requests already sent reach the server's counter
         # The killed process writes no more, and its successor is seconds away from writing.
         self.kill = Kill(
             pid,
@@ -138,9 +215,17 @@ class ActorKiller:
         )
 
 
+@pytest.mark.parametrize("how", ["sigkill", "oom-killer"])
 def test_memory_actor_killed_mid_run_is_restarted_and_its_chains_resume(
-    ray_session: None, chat_server: FactChatServer, tmp_path: Path
+    how: str, ray_session: None, chat_server: FactChatServer, tmp_path: Path
 ) -> None:
+    if how == "oom-killer" and (why := cgroup_unavailable()) is not None:
+        pytest.skip(why)
+    kill: Callable[[int], None] = (
+        kill_with_sigkill
+        if how == "sigkill"
+        else functools.partial(kill_by_the_oom_killer, server=chat_server)
+    )
     inputs = tmp_path / "inputs"
     inputs.mkdir()
     made = reports(REPORTS, LINES)
@@ -151,7 +236,7 @@ def test_memory_actor_killed_mid_run_is_restarted_and_its_chains_resume(
     spec = fact_job(
         chat_server, [str(inputs)], str(tmp_path / "out"), state_store=f"sqlite:///{database}"
     )
-    killer = ActorKiller(chat_server, database, KILL_AFTER_STEPS)
+    killer = ActorKiller(chat_server, database, KILL_AFTER_STEPS, kill)
     earlier_actors = {actor["ActorID"] for actor in memory_actors()}
 
     summary = run_job(spec, on_progress=killer, progress_interval_s=0.2)
