@@ -267,3 +267,29 @@ def test_an_unexpected_failure_ends_with_its_first_line_only(
         "memstream: error: RuntimeError: the node timed out during startup. "
         "(set MEMSTREAM_DEBUG=1 to see the traceback)"
     ]
+
+
+def test_progress_lines_in_a_log_come_at_most_every_interval_but_the_last_always() -> None:
+    import io
+
+    from rich.console import Console
+
+    from connectors.state.store import RunProgress
+    from pipeline.cli.progress import LineThrottle, progress_lines
+
+    throttle = LineThrottle(every_s=3600)
+    assert [throttle.due(), throttle.due(), throttle.due(final=True), throttle.due()] == [
+        True,
+        False,
+        True,
+        False,
+    ]
+
+    out = io.StringIO()
+    report = progress_lines(Console(file=out, width=200), every_s=3600)
+    for done in (0, 1, 2, 3, 4):
+        report(RunProgress(done, 4, chains_done=done // 4, chains_planned=1))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("model calls 0/4, chains answered 0/1")
+    assert lines[1].startswith("model calls 4/4, chains answered 1/1")

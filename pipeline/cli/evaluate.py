@@ -30,6 +30,7 @@ from pipeline.cli.flags import (
     engine_spec,
     positive_int,
 )
+from pipeline.cli.progress import LineThrottle
 from pipeline.config import MethodConfig, check_context_fit
 from pipeline.corpora.cuad import load_cuad
 from pipeline.engines.base import Engine
@@ -449,24 +450,23 @@ class ConfigurationLines:
     def __init__(self, console: Console, label: str, every_s: float = 30.0) -> None:
         self._console = console
         self._label = label
-        self._every_s = every_s
-        self._started = self._last_line = time.monotonic()
+        self._throttle = LineThrottle(every_s)
+        self._started = time.monotonic()
         self._planned = 0
         self._done = 0
 
     def planned(self, calls: int) -> None:
         self._planned = calls
+        self._throttle.due(final=True)
         self._console.print(f"{self._label}: {calls} model calls planned")
 
     def called(self) -> None:
         self._done += 1
-        now = time.monotonic()
-        if self._done < self._planned and now - self._last_line < self._every_s:
-            return
-        self._last_line = now
-        self._console.print(
-            f"{self._label}: model calls {self._done}/{self._planned}, {now - self._started:.0f} s"
-        )
+        if self._throttle.due(final=self._done >= self._planned):
+            elapsed = time.monotonic() - self._started
+            self._console.print(
+                f"{self._label}: model calls {self._done}/{self._planned}, {elapsed:.0f} s"
+            )
 
 
 class ConsoleListener:

@@ -6,6 +6,7 @@ The readings come from the job's watcher (`pipeline.job.watching`), or from `ask
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -76,13 +77,30 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+class LineThrottle:
+    """The pace of progress lines in a log: one at most every `every_s` seconds, but a final
+    one (the work done) always."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self.every_s = every_s
+        self._last = -math.inf
+
+    def due(self, final: bool = False) -> bool:
+        now = time.monotonic()
+        if final or now - self._last >= self.every_s:
+            self._last = now
+            return True
+        return False
+
+
 def progress_lines(
     console: Console, starting: str = "starting", every_s: float = 30.0
 ) -> ProgressCallback:
     """Prints the reading when it changed, at most every `every_s` seconds, except the one
     that answers the last chain planned so far; `starting` until a call is planned."""
     started = time.monotonic()
-    last: tuple[float, RunProgress | None] = (-every_s, None)
+    throttle = LineThrottle(every_s)
+    last: RunProgress | None = None
     first_done_at: list[tuple[float, int]] = []
 
     def report(progress: RunProgress) -> None:
@@ -91,8 +109,8 @@ def progress_lines(
         if progress.steps_done and not first_done_at:
             first_done_at.append((now, progress.steps_done))
         finished = progress.chains_planned > 0 and progress.chains_done == progress.chains_planned
-        if progress != last[1] and (finished or now - last[0] >= every_s):
-            last = (now, progress)
+        if progress != last and throttle.due(final=finished):
+            last = progress
             if not progress.steps_planned:
                 console.print(f"{starting}, {now - started:.0f} s")
                 return
