@@ -100,6 +100,17 @@ def test_train_help_lists_the_config_s_fields() -> None:
         parser.parse_args(["train", "--output", "x", "--preset", "ppo"])
 
 
+def test_lora_flags_reach_the_learner() -> None:
+    from pipeline.cli.flags import model_from_flags
+
+    args = build_parser().parse_args(
+        ["train", "--output", "x", "--lora", "--lora-rank", "4", "--lora-alpha", "8"]
+    )
+    learner = model_from_flags(TrainConfig, args).learner_config("base-model")
+    assert (learner.lora, learner.lora_rank, learner.lora_alpha) == (True, 4, 8.0)
+    assert not TrainConfig(output=Path("x")).learner_config("base-model").lora
+
+
 @pytest.mark.engine
 def test_two_steps_run_and_resume_on_the_real_engine(tmp_path: Path) -> None:
     config = TrainConfig(

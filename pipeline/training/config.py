@@ -67,6 +67,13 @@ class TrainConfig(BaseModel):
     mini_batch_conversations: int = Field(32, ge=1, description="Conversations per optimiser step.")
     epochs_per_batch: int = Field(1, ge=1, description="Passes over each rollout batch.")
     micro_batch_tokens: int = Field(4096, ge=64, description="Padded tokens per forward pass.")
+    lora: bool = Field(
+        False,
+        description="Train LoRA adapters on every linear layer instead of all weights (peft, in "
+        "the train extra); the rollout engine loads the merged weights.",
+    )
+    lora_rank: int = Field(16, ge=1, description="LoRA rank r (with --lora).")
+    lora_alpha: float = Field(32.0, gt=0.0, description="LoRA alpha; updates scale by alpha/r.")
     raw_match: bool = Field(
         False,
         description="Reward a gold answer found anywhere in the reply, not only after 'the "
@@ -145,4 +152,7 @@ class TrainConfig(BaseModel):
             micro_batch_tokens=self.micro_batch_tokens,
             temperature=self.temperature,
             seed=self.seed,
+            lora=self.lora,
+            lora_rank=self.lora_rank,
+            lora_alpha=self.lora_alpha,
         )
