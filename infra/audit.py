@@ -23,6 +23,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.utils import canonicalize_name
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: tomli, which pip-audit brings
@@ -63,10 +65,6 @@ class Finding:
     description: str
 
 
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def read_pins(lock: Path) -> list[Pin]:
     pins = []
     for number, raw in enumerate(lock.read_text().splitlines(), 1):
@@ -76,7 +74,7 @@ def read_pins(lock: Path) -> list[Pin]:
         match = PIN.match(line)
         if match is None:
             raise AuditError(f"{lock}:{number}: not a name==version pin: {line!r}")
-        name, version = normalize(match[1]), match[2]
+        name, version = canonicalize_name(match[1]), match[2]
         pins.append(Pin(line, UPSTREAM_NAMES.get(name, name), version.split("+", 1)[0]))
     return pins
 
@@ -93,7 +91,8 @@ def read_allowlist(path: Path) -> list[Allowed]:
         ]
         if missing:
             raise AuditError(f"{path}: [[allow]] entry {number} has no {', '.join(missing)}")
-        allowed.append(Allowed(entry["id"], normalize(entry["package"]), entry["reason"].strip()))
+        package = canonicalize_name(entry["package"])
+        allowed.append(Allowed(entry["id"], package, entry["reason"].strip()))
     return allowed
 
 
@@ -118,7 +117,7 @@ def query(pins: list[Pin], osv_url: str, timeout_s: int) -> list[Finding]:
         dependencies = json.loads(report.read_text())["dependencies"]
     findings = []
     for dependency in dependencies:
-        pin = by_name[normalize(dependency["name"])]
+        pin = by_name[canonicalize_name(dependency["name"])]
         for vulnerability in dependency.get("vulns", []):
             findings.append(
                 Finding(

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "infra"))
 
 import audit  # noqa: E402
+
+from tests.chat_server import JsonHandler  # noqa: E402
 
 LOCK = ROOT / "infra" / "requirements.lock"
 
@@ -31,21 +33,13 @@ class OsvServer:
         self.queries: list[tuple[str, str]] = []
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(JsonHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 key = (body["package"]["name"], body["version"])
                 owner.queries.append(key)
                 vulns = owner.advisories.get(key, [])
-                payload = json.dumps({"vulns": vulns} if vulns else {}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: object) -> None:
-                pass
+                self.reply(200, json.dumps({"vulns": vulns} if vulns else {}).encode())
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/query"
@@ -158,10 +152,13 @@ def test_an_unreachable_service_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.stderr.startswith(f"audit: pip-audit could not query {url}: ")
 
 
-def test_an_allowlist_entry_without_a_reason_is_refused(tmp_path: Path) -> None:
+def test_an_allowlist_entry_without_a_reason_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "allow.toml"
     path.write_text('[[allow]]\nid = "CVE-2099-1"\npackage = "torch"\n')
     assert audit.main(["--allowlist", str(path), "--osv-url", "http://127.0.0.1:9/"]) == 2
+    assert capsys.readouterr().err == f"audit: {path}: [[allow]] entry 1 has no reason\n"
 
 
 def test_a_lock_line_that_is_not_a_pin_is_refused(tmp_path: Path) -> None:
