@@ -23,7 +23,8 @@ GLOB_CHARS = ("*", "?", "[")
 
 class Listed(NamedTuple):
     path: Path
-    root: Path | None  # the folder walked or the pattern's fixed part; None: a file named itself
+    # The folder walked or the pattern's fixed part, links resolved; None: a file named itself.
+    root: Path | None
 
 
 def expand_paths(paths: Sequence[str]) -> Iterator[Path]:
@@ -45,20 +46,18 @@ def list_files(paths: Sequence[str]) -> Iterator[Listed]:
 
 
 def link_outside(path: Path, root: Path | None) -> bool:
-    """Whether a symbolic link on the way from `root` to `path` leads out of `root`.
+    """Whether a symbolic link on the way from `root` (resolved) to `path` leads out of it.
 
     A folder of untrusted documents may hold a link to `~/.aws/credentials`: what a walk or a
     pattern finds is read only when it really lies under the folder. A file named itself is the
     user's choice and is followed."""
-    if root is None:
-        return False
-    return not path.resolve().is_relative_to(root.resolve())
+    return root is not None and not path.resolve().is_relative_to(root)
 
 
 def _expand_one(pattern: str) -> Iterator[Listed]:
     pattern = os.path.expanduser(_strip_file_scheme(pattern))
     if any(char in pattern for char in GLOB_CHARS):
-        root = _fixed_part(pattern)
+        root = _fixed_part(pattern).resolve()
         for match in sorted(glob.iglob(pattern, recursive=True)):
             path = Path(match).absolute()
             if path.is_dir():
@@ -68,7 +67,7 @@ def _expand_one(pattern: str) -> Iterator[Listed]:
         return
     path = Path(pattern).absolute()
     if path.is_dir():
-        yield from _walk(path, path)
+        yield from _walk(path, path.resolve())
     elif path.is_file():
         yield Listed(path, None)
 
@@ -187,7 +186,7 @@ def _sidecar_questions(path: Path, root: Path | None) -> tuple[str, ...]:
     for suffix in SIDECAR_SUFFIXES:
         sidecar = path.with_name(path.name + suffix)
         if sidecar.is_file():
-            if link_outside(sidecar, root or path.parent):
+            if link_outside(sidecar, root or path.parent.resolve()):
                 raise SourceError(f"{sidecar.name} is a symbolic link that leads out of the folder")
             questions += parse_sidecar(sidecar.name, sidecar.read_bytes())
     return questions
