@@ -13,7 +13,8 @@ Phases, each saved to `state.json` as it ends, so `--resume` picks up where a ru
    model got right and the other wrong) and a bootstrap interval of the difference, the reward
    curve as a PNG, and `results.md`.
 
-Held-out samples share neither text nor keys with the training ones (pipeline.training.tasks).
+Held-out samples share neither text nor keys with the training ones, nor text with `memstream
+eval`'s haystacks (pipeline.training.tasks).
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ from pipeline.training.trainer import (
 )
 
 STATE_FILE = "state.json"
+# The held-out sets a run's state may hold: (key suffix, what they are). The task's held-out
+# split is the first; "_novels" is the split's earlier text, kept when a run predates the change.
+HELDOUT_SETS = (
+    ("", "the task's held-out split (prose of two NIST reports, which neither training nor "
+     "`memstream eval` reads; keys of its own)"),
+    ("_novels", "the split's earlier text (the novels' second half, whose prose `memstream "
+     "eval`'s haystacks also hold; keys of its own)"),
+)  # fmt: skip
 
 
 def main() -> int:
@@ -128,11 +137,15 @@ def probe(config: TrainConfig, n_samples: int) -> dict[str, Any]:
     import asyncio
 
     from pipeline.engines.factory import open_engine
-    from pipeline.training.rollout import PromptSplicer
-    from pipeline.training.trainer import _roll_out_samples, _tokenizer, rollout_engine_spec
+    from pipeline.training.rollout import (
+        PromptSplicer,
+        load_tokenizer,
+        roll_out_samples,
+        rollout_engine_spec,
+    )
 
     base = models.resolve(config.model)
-    tokenizer = _tokenizer(base)
+    tokenizer = load_tokenizer(base)
     wide = config.model_copy(update={"samples_per_step": n_samples, "group_size": 1})
     samples = SampleSource(wide, tokenizer).draw(step=10_000, draw=0)
     started = time.perf_counter()
@@ -140,7 +153,7 @@ def probe(config: TrainConfig, n_samples: int) -> dict[str, Any]:
     async def run() -> list[float]:
         engine = open_engine(rollout_engine_spec(config, Path(base)))
         try:
-            groups = await _roll_out_samples(
+            groups = await roll_out_samples(
                 engine, PromptSplicer(tokenizer), wide, samples, tokenizer, step=10_000, draw=0
             )
         finally:
@@ -216,15 +229,20 @@ def write_report(output: Path, run_dir: Path, state: dict[str, Any]) -> None:
             f"samples): pass rate {state['probe']['pass_rate']:.3f}, "
             f"{state['probe']['seconds']:.0f} s"
         )
-    if "before" in state and "after" in state:
+    for suffix, heldout in HELDOUT_SETS:
+        if f"before{suffix}" not in state or f"after{suffix}" not in state:
+            continue
         lines += [
+            "",
+            f"Held-out: {heldout}",
             "",
             "| held-out, greedy | samples | untrained | trained | difference (95% bootstrap) "
             "| improved / worsened | McNemar exact p |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for kind, label in (("raw", "gold anywhere in the reply"), ("strict", "answer format")):
-            before, after = scores(state["before"], kind), scores(state["after"], kind)
+            before = scores(state[f"before{suffix}"], kind)
+            after = scores(state[f"after{suffix}"], kind)
             improved, worsened, p = mcnemar_exact(before, after)
             low, high = bootstrap_interval(before, after)
             lines.append(

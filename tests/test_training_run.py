@@ -1,5 +1,6 @@
 """Training on the real engine and a real small model: rollouts as token ids, two resumable
-steps of `memstream train`, and the weight sync the second step's rollouts came from."""
+steps of `memstream train`, the weight sync the second step's rollouts came from, and rollouts
+on a Ray actor pool of engines."""
 
 from __future__ import annotations
 
@@ -14,18 +15,25 @@ import torch
 from pipeline.cli.main import build_parser
 from pipeline.core.chain import ChainConfig, MemoryChain
 from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
-from pipeline.engines.base import GenerationRequest, SamplingConfig
+from pipeline.engines.base import Completion, GenerationRequest, SamplingConfig
 from pipeline.engines.factory import open_engine
 from pipeline.training.algorithm import TrainingAlgorithmConfig
 from pipeline.training.config import TrainConfig
 from pipeline.training.learner import Conversation, Learner, LearnerConfig
-from pipeline.training.rollout import PromptSplicer, reward_of, roll_out_chain
+from pipeline.training.rollout import (
+    PromptSplicer,
+    reward_of,
+    roll_out_chain,
+    roll_out_samples,
+    rollout_engine_spec,
+)
+from pipeline.training.rollout_engines import InProcessRollouts, shares
 from pipeline.training.trainer import (
     CHECKPOINT_DIR,
     METRICS_FILE,
     ROLLOUTS_DIR,
+    SampleSource,
     read_rollouts,
-    rollout_engine_spec,
     run_training,
 )
 
@@ -111,6 +119,58 @@ def test_lora_flags_reach_the_learner() -> None:
     assert not TrainConfig(output=Path("x")).learner_config("base-model").lora
 
 
+def test_shares_split_a_draw_into_contiguous_near_equal_ranges() -> None:
+    assert shares(5, 2) == [(0, 3), (3, 5)]
+    assert shares(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert shares(1, 3) == [(0, 1), (1, 1), (1, 1)]
+
+
+class SeedEcho:
+    """Replies with the seed it was asked to sample with: which chain got which seed."""
+
+    model = "seed-echo"
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        ids = request.prompt_token_ids
+        return Completion(
+            request.request_id, f"seed {request.sampling.seed}", len(ids), 1, "stop", 0.0,
+            prompt_token_ids=ids, token_ids=(request.sampling.seed,), logprobs=(0.0,),
+        )  # fmt: skip
+
+
+def test_a_share_of_a_draw_samples_what_the_whole_draw_does(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """What lets a pool split a draw among its actors: a group's chains are seeded by the
+    group's place in the draw, whichever share it is rolled out in."""
+    config = TrainConfig(
+        output=tmp_path, samples_per_step=5, group_size=2, n_segments=1, segment_tokens=60,
+        n_distractors=1, chunk_size=64,
+    )  # fmt: skip
+    samples = SampleSource(config, tokenizer).draw(step=3, draw=1)
+    splicer = PromptSplicer(tokenizer)
+
+    def roll(share: list, first_group: int) -> list:  # type: ignore[type-arg]
+        return asyncio.run(
+            roll_out_samples(
+                SeedEcho(),
+                splicer,
+                config,
+                share,
+                tokenizer,
+                3,
+                1,
+                first_group=first_group,  # type: ignore[arg-type]
+            )
+        )
+
+    whole = roll(samples, 0)
+    split = [group for first, end in shares(5, 2) for group in roll(samples[first:end], first)]
+    assert split == whole
+    assert [rollout.group for group in whole for rollout in group] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    seeds = [rollout.response for group in whole for rollout in group]
+    assert len(set(seeds)) == 10  # every chain its own seed
+    assert roll(samples[3:], 0) != whole[3:]  # the offset is what keeps them
+
+
 @pytest.mark.engine
 def test_two_steps_run_and_resume_on_the_real_engine(tmp_path: Path) -> None:
     config = TrainConfig(
@@ -182,3 +242,36 @@ def _base(config: TrainConfig) -> str:
     from pipeline.engines import models
 
     return models.resolve(config.model)
+
+
+@pytest.mark.engine
+def test_rollouts_on_a_ray_actor_pool_are_the_in_process_ones(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A step with `--rollout-actors 1`: the engine runs in a Ray actor, and the chains it
+    samples (token ids, log-probabilities, rewards) are those the engine in this process samples
+    for the same draw; the learner then trains on them as on any."""
+    import ray
+
+    config = TrainConfig(
+        output=tmp_path / "run", steps=1, samples_per_step=2, group_size=2, n_segments=2,
+        segment_tokens=60, n_distractors=1, chunk_size=76, max_memory_tokens=16,
+        max_answer_tokens=12, learning_rate=5e-4, warmup_steps=0, mini_batch_conversations=4,
+        raw_match=True, max_model_len=1024, rollout_actors=1,
+    )  # fmt: skip
+    (row,) = run_training(config, log=lambda message: None)
+    assert not ray.is_initialized()  # the pool ended the session it started
+    pooled = read_rollouts(config.output / ROLLOUTS_DIR / "step-1.jsonl")
+    assert [rollout.group for rollout in pooled] == [0, 0, 1, 1]
+    assert row["step"] == 1 and (config.output / CHECKPOINT_DIR / "config.json").is_file()
+
+    async def in_process() -> list:  # type: ignore[type-arg]
+        engines = InProcessRollouts(config)
+        await engines.start(Path(_base(config)))
+        try:
+            samples = SampleSource(config, tokenizer).draw(step=1, draw=0)
+            return [rollout for group in await engines.roll_out(samples, 1, 0) for rollout in group]
+        finally:
+            await engines.stop()
+
+    here = asyncio.run(in_process())
+    assert [r.conversations for r in pooled] == [r.conversations for r in here]
+    assert [(r.response, r.reward) for r in pooled] == [(r.response, r.reward) for r in here]

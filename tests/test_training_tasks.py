@@ -1,4 +1,4 @@
-"""pipeline.training.tasks: the synthetic access-code task on the shared corpora's novels."""
+"""pipeline.training.tasks: the synthetic access-code task on the shared corpora's prose."""
 
 from __future__ import annotations
 
@@ -9,19 +9,20 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.evaluation.corpora import load_texts
 from pipeline.training.tasks import (
     KEY_WORDS,
-    PROSE_FILES,
+    NOVELS,
     SEGMENT_SEPARATOR,
     FactSample,
     approximate_token_count,
+    first_half,
     generate_samples,
     keys_of,
     load_filler,
     needle_sentence,
     prose_paragraphs,
     read_jsonl,
-    split_half,
     write_jsonl,
 )
 
@@ -87,26 +88,40 @@ def test_train_and_heldout_share_no_key_words(corpora: Path) -> None:
             assert {key for key, _ in PLANTED.findall(sample.document)} <= set(keys_of(split))
 
 
-def test_train_and_heldout_fillers_come_from_disjoint_halves(corpora: Path) -> None:
-    for relative in PROSE_FILES:
+def flattened(text: str) -> str:
+    return " ".join(text.replace("_", "").split())
+
+
+def test_heldout_filler_shares_no_text_with_training_nor_eval_haystacks(corpora: Path) -> None:
+    for relative in NOVELS:
         paragraphs = prose_paragraphs((corpora / relative).read_text(encoding="utf-8-sig"))
-        train, heldout = split_half(paragraphs, "train"), split_half(paragraphs, "heldout")
-        assert train + heldout == paragraphs and train and heldout
+        assert 0 < len(first_half(paragraphs)) < len(paragraphs)
         assert not any("Gutenberg" in paragraph for paragraph in paragraphs)
 
     texts = {
         split: "\n".join(" ".join(filler.words) for filler in load_filler(corpora, split))
         for split in ("train", "heldout")
     }
+    # What `memstream eval` cuts its NIAH and HotpotQA haystacks from.
+    haystacks = "\n".join(flattened(text) for text in load_texts(corpora).values())
+    spans_of = {
+        split: [
+            span
+            for sample in generate_samples(8, seed=2, split=split, corpora=corpora)
+            for span in windows(filler_only(sample.document.replace(SEGMENT_SEPARATOR, " ")))
+        ]
+        for split in ("train", "heldout")
+    }
     for split, other in (("train", "heldout"), ("heldout", "train")):
-        samples = generate_samples(8, seed=2, split=split, corpora=corpora)
-        for sample in samples:
-            spans = windows(filler_only(sample.document.replace(SEGMENT_SEPARATOR, " ")))
-            assert spans
-            # Every span of filler is text of its own split (so the check below can fail) ...
-            assert sum(span in texts[split] for span in spans) >= 0.8 * len(spans)
-            # ... and none is text of the other split.
-            assert not [span for span in spans if span in texts[other]]
+        spans = spans_of[split]
+        assert spans
+        # Every span of filler is text of its own split (so the check below can fail) ...
+        assert sum(span in texts[split] for span in spans) >= 0.8 * len(spans)
+        # ... and none is text of the other split.
+        assert not [span for span in spans if span in texts[other]]
+    # Training text is in eval's haystacks (so this check can fail); held-out text is not.
+    assert sum(span in haystacks for span in spans_of["train"]) >= 0.5 * len(spans_of["train"])
+    assert not [span for span in spans_of["heldout"] if span in haystacks]
 
 
 def test_segment_sizes_stay_within_the_budget(corpora: Path) -> None:

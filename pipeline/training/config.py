@@ -41,7 +41,7 @@ class TrainConfig(BaseModel):
     task: TaskName = Field(
         "keep-the-fact",
         description="Training task without --answers: keep-the-fact (an access code among "
-        "distractors in novel prose, pipeline.training.tasks) or cuad (the labelled fields of "
+        "distractors in prose, pipeline.training.tasks) or cuad (the labelled fields of "
         "the shared CUAD contracts, rewarded as the evaluation scores them: every party named; "
         "pipeline.training.contract_fields).",
     )
@@ -105,10 +105,25 @@ class TrainConfig(BaseModel):
         description="Ray Train's storage_path, where workers report checkpoints: a folder, or "
         "on a multi-node cluster a shared one (NFS, s3://...). Default: <output>/ray-train.",
     )
+    rollout_actors: int = Field(
+        0,
+        ge=0,
+        description="Sample the rollouts on a Ray actor pool of this many engines, each a "
+        "share of every draw (the job's pattern); 0 samples them on one engine in this process.",
+    )
+    rollout_cpus_per_actor: float = Field(
+        1.0, gt=0.0, description="CPUs each rollout actor reserves (with --rollout-actors)."
+    )
+    rollout_gpus_per_actor: float = Field(
+        0.0,
+        ge=0.0,
+        description="GPUs each rollout actor reserves (with --rollout-actors); the actors load "
+        "the checkpoint from --output, which every node must see. Unverified on GPUs.",
+    )
     ray_address: str | None = Field(
         None,
-        description="Ray cluster for --learner ray-train (default: $RAY_ADDRESS, a running "
-        "session, else a local one).",
+        description="Ray cluster for --learner ray-train and --rollout-actors (default: "
+        "$RAY_ADDRESS, a running session, else a local one).",
     )
 
     @model_validator(mode="after")
@@ -125,6 +140,12 @@ class TrainConfig(BaseModel):
             raise ValueError(
                 "--learner-workers and --learner-gpus-per-worker need --learner ray-train"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _actor_resources_need_actors(self) -> TrainConfig:
+        if not self.rollout_actors and self.rollout_gpus_per_actor > 0:
+            raise ValueError("--rollout-gpus-per-actor needs --rollout-actors")
         return self
 
     def algorithm(self) -> TrainingAlgorithmConfig:

@@ -19,15 +19,23 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from pipeline.core.chain import ChainConfig, MemoryChain, StepKind, StepRequest
 from pipeline.core.extraction import extract_answer
 from pipeline.core.scoring import AnswerMode, score
-from pipeline.core.segmentation import Segment
+from pipeline.core.segmentation import Segment, SegmentationConfig, segment, tokenize
 from pipeline.core.templates import defang
+from pipeline.engines import models
 from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
+from pipeline.engines.factory import EngineSpec
+from pipeline.training.config import TrainConfig
+from pipeline.training.contract_fields import FieldSample
 from pipeline.training.learner import Conversation
+from pipeline.training.tasks import FactSample
+
+TrainingSample = FactSample | FieldSample
 
 # Where the memory goes in a rendered prompt: private-use characters no template, tokenizer
 # rule or document text makes, and that defang leaves alone.
@@ -194,3 +202,60 @@ async def roll_out_group(
         )
 
     return list(await asyncio.gather(*(one(i) for i in range(group_size))))
+
+
+async def roll_out_samples(
+    engine: Engine,
+    splicer: PromptSplicer,
+    config: TrainConfig,
+    samples: Sequence[TrainingSample],
+    tokenizer: Any,
+    step: int,
+    draw: int,
+    sampling: SamplingConfig | None = None,
+    first_group: int = 0,
+) -> list[list[ChainRollout]]:
+    """`group_size` chains for each sample, all at once; sampled at the run's temperature with
+    a seed of (run, step, draw) unless `sampling` says otherwise. `samples` are groups
+    `first_group` on of the draw: a chain's seed follows from its group, so a share of a draw
+    rolled out apart (pipeline.training.rollout_pool) samples what the whole draw would."""
+    sampling = sampling or SamplingConfig(
+        temperature=config.temperature,
+        top_p=config.top_p,
+        seed=config.seed * 1_000_003 + step * 10_007 + draw * 101,
+    )
+    chain_config = config.chain()
+    segmentation = SegmentationConfig(chunk_size=config.chunk_size)
+    jobs = []
+    for group, sample in enumerate(samples, start=first_group):
+        tokenized = tokenize(sample.sample_id, sample.document, tokenizer)
+        jobs.append(
+            roll_out_group(
+                engine, splicer, group=group, first_index=group * config.group_size,
+                question=sample.question, answers=sample.answers,
+                answer_mode=sample.answer_mode,
+                segments=segment(tokenized, tokenizer, segmentation), config=chain_config,
+                sampling=sampling, group_size=config.group_size, raw_match=config.raw_match,
+            )
+        )  # fmt: skip
+    return list(await asyncio.gather(*jobs))
+
+
+def rollout_engine_spec(config: TrainConfig, weights: Path) -> EngineSpec:
+    """float32, so the engine's log-probabilities match the learner's (issue 17's sync rule);
+    reported after the temperature, as the learner computes them."""
+    return EngineSpec(
+        model=str(weights),
+        tokenizer=models.resolve(config.model),
+        dtype="float32",
+        max_model_len=config.max_model_len,
+        cpu_kvcache_space_gib=config.kv_cache_gib,
+        enforce_eager=True,
+        engine_kwargs={"logprobs_mode": "processed_logprobs"},
+    )
+
+
+def load_tokenizer(base: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base)

