@@ -30,15 +30,19 @@ AUDIT_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup models demo test test-fast bench soak lint train lock audit
+.PHONY: setup setup-runtime models demo test test-fast bench soak lint train lock audit
 
 setup:
 	@bash infra/setup.sh
 
+# What `make demo` needs: a job's packages, without the test, lint and Airflow ones.
+setup-runtime:
+	@PROFILE=runtime bash infra/setup.sh
+
 models: setup
 	$(BIN)/memstream models pull $(TEST_MODEL)
 
-demo: setup
+demo: setup-runtime
 	$(BIN)/memstream demo --scale $(DEMO_SCALE)
 
 test: setup models
