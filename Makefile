@@ -3,8 +3,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TEST_MODEL ?= smollm2-135m-instruct
 # Document size factor of the demo corpus: 0.3 gives documents of 6K, 14K and 27K tokens (each
-# of two segments or more, one over 16K); on an AVX2-only 2-core EPYC its job takes 17 minutes
-# with the model pulled. 1.0 gives 20K-90K.
+# of two segments or more, one over 16K); from a fresh clone `make demo` took 15.7 minutes on a
+# 2-core EPYC run as an AVX2-only CPU (README, Performance). 1.0 gives 20K-90K.
 DEMO_SCALE ?= 0.3
 # `make bench` takes about 2 hours on a quiet 2-core machine, plus several for the full-size
 # corpus_efficiency run (48 minutes of the 2 hours: the 1M-token
