@@ -136,28 +136,19 @@ def probe(config: TrainConfig, n_samples: int) -> dict[str, Any]:
     """The untrained model's pass rate at the rollout temperature, one chain per sample."""
     import asyncio
 
-    from pipeline.engines.factory import open_engine
-    from pipeline.training.rollout import (
-        PromptSplicer,
-        load_tokenizer,
-        roll_out_samples,
-        rollout_engine_spec,
-    )
+    from pipeline.training.rollout_engines import EngineRollouts
 
-    base = models.resolve(config.model)
-    tokenizer = load_tokenizer(base)
     wide = config.model_copy(update={"samples_per_step": n_samples, "group_size": 1})
-    samples = SampleSource(wide, tokenizer).draw(step=10_000, draw=0)
+    engines = EngineRollouts(wide)
+    samples = SampleSource(wide, engines.tokenizer).draw(step=10_000, draw=0)
     started = time.perf_counter()
 
     async def run() -> list[float]:
-        engine = open_engine(rollout_engine_spec(config, Path(base)))
+        await engines.start(Path(models.resolve(config.model)))
         try:
-            groups = await roll_out_samples(
-                engine, PromptSplicer(tokenizer), wide, samples, tokenizer, step=10_000, draw=0
-            )
+            groups = await engines.roll_out(samples, step=10_000, draw=0)
         finally:
-            await engine.shutdown()
+            await engines.stop()
         return [group[0].reward for group in groups]
 
     rewards = asyncio.run(run())

@@ -27,7 +27,7 @@ from pipeline.training.rollout import (
     roll_out_samples,
     rollout_engine_spec,
 )
-from pipeline.training.rollout_engines import InProcessRollouts, shares
+from pipeline.training.rollout_engines import EngineRollouts, shares
 from pipeline.training.trainer import (
     CHECKPOINT_DIR,
     METRICS_FILE,
@@ -264,7 +264,7 @@ def test_rollouts_on_a_ray_actor_pool_are_the_in_process_ones(tmp_path: Path, to
     assert row["step"] == 1 and (config.output / CHECKPOINT_DIR / "config.json").is_file()
 
     async def in_process() -> list:  # type: ignore[type-arg]
-        engines = InProcessRollouts(config)
+        engines = EngineRollouts(config)
         await engines.start(Path(_base(config)))
         try:
             samples = SampleSource(config, tokenizer).draw(step=1, draw=0)

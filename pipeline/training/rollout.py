@@ -218,7 +218,7 @@ async def roll_out_samples(
     """`group_size` chains for each sample, all at once; sampled at the run's temperature with
     a seed of (run, step, draw) unless `sampling` says otherwise. `samples` are groups
     `first_group` on of the draw: a chain's seed follows from its group, so a share of a draw
-    rolled out apart (pipeline.training.rollout_pool) samples what the whole draw would."""
+    rolled out apart (pipeline.training.rollout_engines) samples what the whole draw would."""
     sampling = sampling or SamplingConfig(
         temperature=config.temperature,
         top_p=config.top_p,

@@ -55,11 +55,12 @@ class RolloutEngines(Protocol):
 def open_rollout_engines(config: TrainConfig) -> RolloutEngines:
     if config.rollout_actors:
         return ActorPoolRollouts(config)
-    return InProcessRollouts(config)
+    return EngineRollouts(config)
 
 
 class EngineRollouts:
-    """One engine and the run's tokenizer: what a draw's share is rolled out on."""
+    """One engine and the run's tokenizer: the in-process rollouts, and each actor of a pool
+    (which rolls out a share of a draw, `first_group` on)."""
 
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
@@ -85,8 +86,6 @@ class EngineRollouts:
         if engine is not None:
             await engine.shutdown()
 
-
-class InProcessRollouts(EngineRollouts):
     def close(self) -> None:
         pass
 
