@@ -387,8 +387,21 @@ def test_cost_table_divides_each_configurations_wall_time_by_its_model_calls(
         "| hotpotqa | 8k | memstream:memagent-reference | 2 | 40 | 8 | 5.0 | 1 "
         "| AMD EPYC, 2 cores |" in text
     )
+    assert_every_row_has_its_header_s_cells(text)
     write_outputs(tmp_path, {"model": "m"}, outcome)
     assert read_results(tmp_path / RESULTS_JSON)[1].runs == [run]
+
+
+def assert_every_row_has_its_header_s_cells(markdown: str) -> None:
+    """A Markdown table's renderer drops the cells of a row past its header's."""
+    columns = 0
+    for line in markdown.splitlines():
+        if not line.startswith("|"):
+            columns = 0
+        elif columns == 0:
+            columns = line.count(" | ") + 1
+        else:
+            assert line.count(" | ") + 1 == columns or line.startswith("|---"), line
 
 
 def test_outputs_are_written_with_a_real_png(tmp_path: Path) -> None:

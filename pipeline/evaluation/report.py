@@ -174,8 +174,9 @@ def _cost_table(runs: Sequence[ConfigurationRun], predictions: Sequence[Predicti
         "Samples of a configuration run at once: s per model call is its wall time over its "
         "calls (one call a segment, plus the answer).",
         "",
-        "| task | length | method | samples | wall s | model calls | s per model call | tokens/s |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| task | length | method | samples | wall s | model calls | s per model call | tokens/s "
+        "| machine |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for run in runs:
         members = [
