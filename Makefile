@@ -48,10 +48,10 @@ demo: setup-runtime
 test: setup models
 	bash infra/services/postgres.sh install
 	bash infra/services/chromium.sh install
-	$(BIN)/pytest -q -ra --durations=30
+	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q -ra --durations=30
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not engine and not server"
+	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q -m "not engine and not server"
 
 bench: setup models
 	$(BIN)/python bench/run.py $(BENCH_ARGS)

@@ -43,7 +43,7 @@ from tests.chat_server import FactChatServer
 from tests.conftest import TEST_MODEL
 from tests.fake_engine import FACT
 from tests.services import schema_of_its_own
-from tests.test_job import kill_processes_marked
+from tests.test_job import assert_complete_trajectories, kill_processes_marked
 
 QUESTION = "Which facts does the record hold?"
 # Segments of two dozen tokens that end at a space, so no fact is cut in two.
@@ -383,6 +383,7 @@ def test_a_run_killed_mid_way_is_resumed_by_the_next_and_the_one_after_is_new(
             "SELECT run_id, status FROM runs WHERE run_id != ?", (first.run_id,)
         ).fetchall()
     assert status == "running"  # as a kill -9 leaves it
+    written_before = steps_written(state)
 
     resumed = run_job(JobSpec.from_dict(nightly(archive, output, fact_server, None)))
     assert (resumed.run_id, resumed.attempt) == (killed_run, 2)
@@ -393,10 +394,25 @@ def test_a_run_killed_mid_way_is_resumed_by_the_next_and_the_one_after_is_new(
         "echo.txt": killed_run, "foxtrot.txt": first.run_id, "golf.txt": killed_run,
     }  # fmt: skip
     assert answered_facts(answers, "echo.txt") == facts_of("echo", *range(7))
+    # Each chain answered once, every step once; the steps the killed run wrote were kept, not
+    # redone, so the resumed run read less than its chains' steps hold.
+    trajectory = pd.read_parquet(resumed.outputs["trajectory"])
+    assert not answers.duplicated(["source_uri", "question_id"]).any()
+    assert_complete_trajectories(answers, trajectory)
+    assert written_before.items() <= steps_written(state).items()
+    ours = answers[answers.answered_in_run == killed_run].source_uri
+    computed = trajectory[trajectory.source_uri.isin(ours)]
+    assert resumed.prompt_tokens < computed.prompt_tokens.sum()
 
     after = run_job(JobSpec.from_dict(nightly(archive, output, fact_server, None)))
     assert after.attempt == 1 and after.run_id not in (first.run_id, killed_run)
     assert after.changes == DocumentChanges(killed_run, unchanged=3)
+
+
+def steps_written(state: Path) -> dict[str, str]:
+    """When each step in the store was written, by chain key and step."""
+    with sqlite3.connect(f"file:{state}?mode=ro", uri=True) as connection:
+        return dict(connection.execute("SELECT chain_key || ':' || step, created_at FROM steps"))
 
 
 def steps_of_unfinished_chains(state: Path) -> int:

@@ -1,5 +1,6 @@
 """The Ray Data job end to end, on real parts: real files from the corpora, a real S3 server,
-PostgreSQL and SQLite, the real vLLM engine on the small test model, and a real kill -9.
+PostgreSQL and SQLite, and the real vLLM engine on the small test model. (A run killed with
+kill -9 and resumed is tests/test_incremental.py's.)
 
 Engine settings are tiny (documents of a few hundred tokens, 512-token chunks, 24-token
 memories) so the whole file runs in minutes on two cores; the engine tests share one Ray session.
@@ -80,6 +81,7 @@ QUESTION = "What is this document about?"
 # so that a changed default fails here.
 MEASURED_DEFAULT_TEMPLATES = {
     "qwen2.5-coder-0.5b-instruct": "verified-quotes",
+    "qwen2.5-coder-1.5b-instruct": "verified-quotes",
     "smollm2-135m-instruct": "segment-first",
 }
 # Ray runs its workers at nice 15: on a shared machine the engine would starve behind anything
@@ -144,6 +146,8 @@ def test_template_defaults_to_the_models_best_measured_and_an_explicit_one_wins(
     assert job().engine.model == qwen and job().method.template == "verified-quotes"
     assert job(engine={"model": qwen}).method.template == "verified-quotes"
     assert job(engine={"model": "smollm2-135m-instruct"}).method.template == "segment-first"
+    larger = job(engine={"model": "qwen2.5-coder-1.5b-instruct"})
+    assert larger.method.template == "verified-quotes"
     assert job(engine={"model": rl_memagent}).method.template == "memagent-reference"
     assert job(engine={"model": "/models/my-finetune"}).method.template == "memagent-reference"
     explicit = job(engine={"model": qwen}, method={"template": "extractive", "chunk_size": 900})
@@ -744,67 +748,7 @@ def test_s3_and_sql_in_s3_out_with_a_postgres_state_store(
     assert sorted(map(tuple, stored)) == sorted((key, int(step)) for key, step in exported)
 
 
-# --- kill -9 in the middle, then a rerun ----------------------------------------------------------
-
-RUN_IN_SUBPROCESS = (
-    "import sys\n"
-    "from pipeline.job import load_job_spec, run_job\n"
-    "run_job(load_job_spec(sys.argv[1]))\n"
-)
-
-
-@pytest.mark.engine
-def test_kill_minus_9_mid_run_then_rerun_gives_each_answer_once(
-    ray_session: None, corpora: Path, tmp_path: Path
-) -> None:
-    inputs = tmp_path / "inputs"
-    inputs.mkdir()
-    (inputs / "rfc.txt").write_text(excerpt_of_text(corpora, 6000))  # about 8 segments of 160
-    (inputs / "apache.log").write_text(excerpt_of_log(corpora, 6))
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(
-        yaml.safe_dump(
-            {
-                "sources": ["inputs"],
-                "questions": [QUESTION, "Which errors are mentioned?"],
-                "output": "out",
-                "engine": ENGINE,
-                "method": {**METHOD, "chunk_size": 160},
-            }
-        )
-    )
-    state = tmp_path / "out" / "memstream-state.sqlite"
-    marker = uuid.uuid4().hex
-    log = (tmp_path / "first-run.log").open("wb")
-    first = subprocess.Popen(
-        [sys.executable, "-c", RUN_IN_SUBPROCESS, str(job_file)],
-        env={**os.environ, "MEMSTREAM_TEST_RUN": marker, WORKER_NICENESS[0]: WORKER_NICENESS[1]},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        steps_before = wait_for_progress(state, process=first, timeout=600)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-        kill_processes_marked(marker)
-        log.close()
-    assert count_answered(state) < 4, "the first run finished before it could be killed"
-
-    rerun = run_job(load_job_spec(job_file))
-    assert rerun.attempt == 2
-    answers = pd.read_parquet(rerun.outputs["answers"])
-    trajectory = pd.read_parquet(rerun.outputs["trajectory"])
-    assert len(answers) == 4 and not answers.duplicated(["source_uri", "question_id"]).any()
-    assert (answers.status == "done").all()
-    assert_complete_trajectories(answers, trajectory)
-    assert rerun.chains_skipped >= 1 and rerun.chains_resumed >= 1
-    # the steps written before the kill were kept, not redone
-    with sqlite3.connect(state) as connection:
-        kept = dict(connection.execute("SELECT chain_key || ':' || step, created_at FROM steps"))
-    assert all(kept[key] == created for key, created in steps_before.items())
-    assert rerun.prompt_tokens < trajectory.prompt_tokens.sum()
+# --- `memstream run` as a user runs it -----------------------------------------------------------
 
 
 @pytest.mark.engine
@@ -838,38 +782,6 @@ def test_memstream_run_shows_progress_and_leaves_no_process_behind(
         assert not left, f"processes left running after the job: {left}"
     finally:
         kill_processes_marked(marker)
-
-
-def wait_for_progress(
-    state: Path, *, process: subprocess.Popen, timeout: float
-) -> dict[str, float]:
-    """The steps in the state store (by chain key and step) once a chain is answered and
-    others are under way."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the first run exited early ({process.returncode})")
-        try:
-            with sqlite3.connect(f"file:{state}?mode=ro", uri=True) as connection:
-                steps = connection.execute(
-                    "SELECT chain_key || ':' || step, created_at FROM steps"
-                ).fetchall()
-                done, under_way = connection.execute(
-                    "SELECT count(DISTINCT CASE WHEN c.status = 'done' THEN c.chain_key END),"
-                    " count(CASE WHEN c.status != 'done' THEN 1 END)"
-                    " FROM steps AS s JOIN chains AS c ON c.chain_key = s.chain_key"
-                ).fetchone()
-        except sqlite3.OperationalError:  # no database or no tables yet
-            steps, done, under_way = [], 0, 0
-        if done >= 1 and under_way >= 1:
-            return dict(steps)
-        time.sleep(0.25)
-    pytest.fail(f"no progress in {state} after {timeout:.0f} s")
-
-
-def count_answered(state: Path) -> int:
-    with sqlite3.connect(state) as connection:
-        return connection.execute("SELECT count(*) FROM chains WHERE status = 'done'").fetchone()[0]
 
 
 def processes_marked(marker: str) -> list[int]:
