@@ -6,9 +6,9 @@ corpus is answered, one run after the other in one process, never two engines at
 
 1. the ChainRunner in process, longest-first: every chain submitted at once in source order;
    each request carries its chain's document tokens still to read as its vLLM priority;
-2. the same, in source order (`longest_first=False`);
-3. the ceiling: every request of run 1 replayed at once on the same engine, as if no step
+2. the ceiling: every request of run 1 replayed at once on the same engine, as if no step
    waited for the one before (greedy decoding makes it the same work);
+3. the runner again, in source order (`longest_first=False`);
 4. the Ray Data job (`pipeline.job.run_job`) on a fresh local Ray session: one memory actor,
    longest-first, every document in flight at once, checkpoints in SQLite, Parquet export.
 
@@ -16,10 +16,13 @@ Runs 1-3 share one engine, started and warmed up before them (start-up excluded)
 prefix cache reset before each run. The job's end-to-end figure includes Ray and engine
 start-up; its steady state counts from its first model call to its last (`RunSummary.busy_s`).
 
-Each finished run's figures are kept in a work folder (`--work`; one per set of sizes under the
-cache by default), with run 1's requests for the ceiling. `--resume` skips the runs finished
-there, so the full size, longer than a session, is measured over several sittings; a run that
-was stopped starts again from its beginning, since half a run has no figures.
+Each finished run's figures are kept as it ends, in `bench/results/corpus_efficiency-sittings-
+<full|quick>-<dtype>.json` (committed with the results, so sittings on later days carry over), each
+with the machine it ran on; the report says so when they differ. Run 1's requests, which the
+ceiling replays, and the generated corpus stay in a work folder under the cache (`--work`); a
+sitting that finds no requests for a ceiling still owed runs run 1 again. `--resume` skips the
+finished runs, so the full size, longer than a session, is measured over several sittings; a
+run that was stopped starts again from its beginning, since half a run has no figures.
 
     .venv/bin/python bench/corpus_efficiency.py --resume   # full size: about 4-5 hours, 2 cores
     .venv/bin/python bench/corpus_efficiency.py --quick    # small documents: 12 minutes, 2 cores
@@ -61,12 +64,10 @@ from pipeline.runner import ChainRunner
 
 SEED = 20240611  # the corpus: document lengths and questions
 TEMPLATE = "segment-first"
-MAX_ACTIVE_CHAINS = 256
-IN_PROCESS_RUNS = (
-    "runner_longest_first",
-    "runner_source_order",
-    "ceiling",
-)  # runner and job alike: more than the corpus has chains
+MAX_ACTIVE_CHAINS = 256  # runner and job alike: more than the corpus has chains
+# In this order: the ceiling replays run 1's requests, kept only in the cache, so it follows
+# run 1 in the same sitting where it can.
+IN_PROCESS_RUNS = ("runner_longest_first", "ceiling", "runner_source_order")
 KV_CACHE_GIB = 4
 QUESTIONS = (
     "What is this document about, in one sentence?",
@@ -192,23 +193,27 @@ async def replay_at_once(engine: VLLMEngine, requests: list[GenerationRequest]) 
 
 
 class Sittings:
-    """The figures of the runs finished so far, kept in `<work>/runs.json` as each one ends,
-    and run 1's requests in `<work>/requests.jsonl`, which the ceiling replays."""
+    """The figures of the runs finished so far, kept in `record` as each one ends, and run 1's
+    requests in `<work>/requests.jsonl`, which the ceiling replays."""
 
-    def __init__(self, work: Path, sizes: Sizes, model: str, dtype: str, *, resume: bool) -> None:
+    def __init__(
+        self, record: Path, work: Path, sizes: Sizes, model: str, dtype: str, *, resume: bool
+    ) -> None:
         self.work = work
-        self._runs_path = work / "runs.json"
+        self._runs_path = record
         self._requests_path = work / "requests.jsonl"
         identity = {"sizes": asdict(sizes), "model": model, "dtype": dtype, "seed": SEED,
                     "template": TEMPLATE}  # fmt: skip
-        kept = json.loads(self._runs_path.read_text()) if self._runs_path.exists() else None
+        kept = json.loads(record.read_text()) if record.exists() else None
         if resume and kept and kept["identity"] == identity:
             self.runs: dict[str, Any] = kept["runs"]
         else:
             shutil.rmtree(work, ignore_errors=True)
             self.runs = {}
-        work.mkdir(parents=True, exist_ok=True)
         self._identity = identity
+        if not self.done("ceiling") and not self._requests_path.exists():
+            self.runs.pop("runner_longest_first", None)  # its requests are not at hand here
+        work.mkdir(parents=True, exist_ok=True)
 
     def done(self, name: str) -> bool:
         return name in self.runs
@@ -250,14 +255,14 @@ async def run_in_process(
             sittings.keep_requests(requests)
             sittings.keep("runner_longest_first", longest)
             print(f"1. runner, longest-first: {longest['seconds']:.1f} s", flush=True)
-        if not sittings.done("runner_source_order"):
-            source, _ = await run_runner(engine, chains(), method, longest_first=False)
-            sittings.keep("runner_source_order", source)
-            print(f"2. runner, source order: {source['seconds']:.1f} s", flush=True)
         if not sittings.done("ceiling"):
             ceiling = await replay_at_once(engine, sittings.requests(method.sampling()))
             sittings.keep("ceiling", ceiling)
-            print(f"3. ceiling: {ceiling['seconds']:.1f} s", flush=True)
+            print(f"2. ceiling: {ceiling['seconds']:.1f} s", flush=True)
+        if not sittings.done("runner_source_order"):
+            source, _ = await run_runner(engine, chains(), method, longest_first=False)
+            sittings.keep("runner_source_order", source)
+            print(f"3. runner, source order: {source['seconds']:.1f} s", flush=True)
 
 
 # --- run 4: the Ray Data job ------------------------------------------------------------------
@@ -301,9 +306,17 @@ def run_ray_job(
     }
 
 
-def default_work_folder(sizes: Sizes, model: str, dtype: str) -> Path:
-    key = hashlib.sha256(json.dumps([asdict(sizes), model, dtype, SEED]).encode()).hexdigest()[:12]
-    return Path(user_cache_dir("memstream")) / "bench" / f"corpus_efficiency-{key}"
+def sizes_label(sizes: Sizes, model: str, dtype: str) -> str:
+    """The sittings' name: full-<dtype> or quick-<dtype> for the pinned sizes and model, else a
+    key of the sizes, model and dtype."""
+    label = {FULL: "full", QUICK: "quick"}.get(sizes)
+    if label and model == common.DEFAULT_MODEL:
+        return f"{label}-{dtype}"
+    return hashlib.sha256(json.dumps([asdict(sizes), model, dtype, SEED]).encode()).hexdigest()[:12]
+
+
+def default_work_folder(label: str) -> Path:
+    return Path(user_cache_dir("memstream")) / "bench" / f"corpus_efficiency-{label}"
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -342,8 +355,8 @@ def report(
         ["run", "wall s", "tokens", "tokens/s", "engine busy", "mean requests in flight",
          "failed chains", "1-min load after"],
         [row("1. runner in process, longest-first", longest),
-         row("2. runner in process, source order", source),
-         row("3. ceiling: run 1's requests replayed at once", ceiling),
+         row("2. ceiling: run 1's requests replayed at once", ceiling),
+         row("3. runner in process, source order", source),
          row("4. Ray job, end to end", end_to_end),
          row("4. Ray job, steady state", steady)],
     )  # fmt: skip
@@ -415,7 +428,9 @@ def main() -> None:
     parser.add_argument("--documents", type=int, help="how many documents to draw")
     parser.add_argument("--min-tokens", type=int, help="the shortest document length")
     parser.add_argument("--max-tokens", type=int, help="the longest document length")
-    parser.add_argument("--work", type=Path, help="where finished runs are kept (see --resume)")
+    parser.add_argument(
+        "--work", type=Path, help="where the corpus and run 1's requests are kept (see --resume)"
+    )
     parser.add_argument(
         "--resume", action="store_true", help="skip the runs an earlier sitting finished"
     )
@@ -436,10 +451,12 @@ def main() -> None:
     method = common.bench_method(args, TEMPLATE)
     config = common.engine_config(args, KV_CACHE_GIB)
     tokenizer = common.load_tokenizer(config)
-    work = args.work or default_work_folder(sizes, args.model, config.dtype)
-    sittings = Sittings(work, sizes, args.model, config.dtype, resume=args.resume)
+    label = sizes_label(sizes, args.model, config.dtype)
+    work = args.work or default_work_folder(label)
+    record = common.RESULTS / f"corpus_efficiency-sittings-{label}.json"
+    sittings = Sittings(record, work, sizes, args.model, config.dtype, resume=args.resume)
     if sittings.runs:
-        print(f"resuming in {work}: done {', '.join(sittings.runs)}", flush=True)
+        print(f"resuming from {record}: done {', '.join(sittings.runs)}", flush=True)
     corpus = write_corpus(work / "corpus", sizes, tokenizer)
     n_chains = sum(len(document.questions) for document in corpus)
     print(f"{len(corpus)} documents, {n_chains} chains, dtype {config.dtype}", flush=True)
