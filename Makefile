@@ -51,6 +51,7 @@ test: setup models
 	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q -ra --durations=30
 
 test-fast: setup
+	bash infra/services/chromium.sh install
 	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q -m "not engine and not server"
 
 bench: setup models
