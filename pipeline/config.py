@@ -31,7 +31,7 @@ CHAT_OVERHEAD_TOKENS = 32
 # which is what the RL-MemAgent weights were trained on.
 MEASURED_DEFAULT_TEMPLATES: dict[str, str] = {
     "qwen2.5-coder-0.5b-instruct": VERIFIED_QUOTES.name,
-    "qwen2.5-coder-1.5b-instruct": VERIFIED_QUOTES.name,
+    "qwen2.5-coder-1.5b-instruct": SEGMENT_FIRST.name,
     "smollm2-135m-instruct": SEGMENT_FIRST.name,
 }
 

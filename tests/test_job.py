@@ -81,7 +81,7 @@ QUESTION = "What is this document about?"
 # so that a changed default fails here.
 MEASURED_DEFAULT_TEMPLATES = {
     "qwen2.5-coder-0.5b-instruct": "verified-quotes",
-    "qwen2.5-coder-1.5b-instruct": "verified-quotes",
+    "qwen2.5-coder-1.5b-instruct": "segment-first",
     "smollm2-135m-instruct": "segment-first",
 }
 # Ray runs its workers at nice 15: on a shared machine the engine would starve behind anything
@@ -147,7 +147,7 @@ def test_template_defaults_to_the_models_best_measured_and_an_explicit_one_wins(
     assert job(engine={"model": qwen}).method.template == "verified-quotes"
     assert job(engine={"model": "smollm2-135m-instruct"}).method.template == "segment-first"
     larger = job(engine={"model": "qwen2.5-coder-1.5b-instruct"})
-    assert larger.method.template == "verified-quotes"
+    assert larger.method.template == "segment-first"
     assert job(engine={"model": rl_memagent}).method.template == "memagent-reference"
     assert job(engine={"model": "/models/my-finetune"}).method.template == "memagent-reference"
     explicit = job(engine={"model": qwen}, method={"template": "extractive", "chunk_size": 900})
