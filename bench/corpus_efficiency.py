@@ -24,7 +24,7 @@ sitting that finds no requests for a ceiling still owed runs run 1 again. `--res
 finished runs, so the full size, longer than a session, is measured over several sittings; a
 run that was stopped starts again from its beginning, since half a run has no figures.
 
-    .venv/bin/python bench/corpus_efficiency.py --resume   # full size: about 4-5 hours, 2 cores
+    .venv/bin/python bench/corpus_efficiency.py --resume   # full size: 4-5 hours on 2 AVX2 cores
     .venv/bin/python bench/corpus_efficiency.py --quick    # small documents: 12 minutes, 2 cores
     .venv/bin/python bench/corpus_efficiency.py --documents 32 --max-tokens 100000
 """

@@ -47,7 +47,7 @@ def make_learner(model: str, **overrides: object) -> Learner:
 
 # float32 log-probabilities of one sequence, through kernels of different shapes (a padded batch,
 # one row, a plain forward): 1.08e-5 apart at most measured on an Intel Xeon with AMX, less on
-# AMD EPYCs. A masking or position error moves them by tenths.
+# AMD EPYCs. A masking or position error moves them far more.
 LOGPROB_ATOL = 1e-4
 
 
