@@ -24,7 +24,7 @@ sitting that finds no requests for a ceiling still owed runs run 1 again. `--res
 finished runs, so the full size, longer than a session, is measured over several sittings; a
 run that was stopped starts again from its beginning, since half a run has no figures.
 
-    .venv/bin/python bench/corpus_efficiency.py --resume   # full size: 4-5 hours on 2 AVX2 cores
+    .venv/bin/python bench/corpus_efficiency.py --resume   # full size: 87 min, 2-core Xeon (AMX)
     .venv/bin/python bench/corpus_efficiency.py --quick    # small documents: 12 minutes, 2 cores
     .venv/bin/python bench/corpus_efficiency.py --documents 32 --max-tokens 100000
 """
@@ -199,7 +199,6 @@ class Sittings:
     def __init__(
         self, record: Path, work: Path, sizes: Sizes, model: str, dtype: str, *, resume: bool
     ) -> None:
-        self.work = work
         self._runs_path = record
         self._requests_path = work / "requests.jsonl"
         identity = {"sizes": asdict(sizes), "model": model, "dtype": dtype, "seed": SEED,
