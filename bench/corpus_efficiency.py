@@ -48,6 +48,7 @@ from typing import Any
 
 import common
 import pipeline_overhead  # sets RAY_worker_niceness=0 and marks this run's Ray processes
+import pyarrow.parquet as pq
 from engine_efficiency import BusyMeter
 from platformdirs import user_cache_dir
 
@@ -302,6 +303,33 @@ def run_ray_job(
         "documents_failed": summary.documents_failed,
         "engine": summary.engine,
         "leftover_processes": pipeline_overhead.end_leftovers(),
+        "longest_chain": longest_chain(folder / "output"),
+    }
+
+
+def longest_chain(output: Path) -> dict[str, Any]:
+    """How the job's longest chain spent its time: a chain's steps are sequential, so no
+    schedule ends before it does, and its steps slow down while many chains share the engine."""
+    (run,) = output.glob("run-*")
+    answers = pq.read_table(run / "answers.parquet", columns=["chain_key", "timings"]).to_pylist()
+    timings = {row["chain_key"]: row["timings"] for row in answers}
+    first_start = min(t["started_at"] for t in timings.values())
+    last_end = max(t["finished_at"] for t in timings.values())
+    columns = ["chain_key", "step", "latency_s"]
+    trajectory = pq.read_table(run / "trajectory.parquet", columns=columns)
+    steps: dict[str, list[tuple[int, float]]] = {}
+    for row in trajectory.to_pylist():
+        steps.setdefault(row["chain_key"], []).append((row["step"], row["latency_s"]))
+    key = max(steps, key=lambda k: len(steps[k]))
+    latencies = [latency for _, latency in sorted(steps[key])]
+    quarter = max(1, len(latencies) // 4)
+    return {
+        "steps": len(latencies),
+        "started_s": (timings[key]["started_at"] - first_start).total_seconds(),
+        "finished_s": (timings[key]["finished_at"] - first_start).total_seconds(),
+        "all_chains_s": (last_end - first_start).total_seconds(),
+        "mean_step_s_first_quarter": statistics.mean(latencies[:quarter]),
+        "mean_step_s_last_quarter": statistics.mean(latencies[-quarter:]),
     }
 
 
@@ -387,6 +415,15 @@ def report(
         "answer. Engine busy: share of the wall time with at least one request in flight "
         "(for the job: steady s / end-to-end s).",
     ]
+    if chain := job.get("longest_chain"):
+        notes.append(
+            f"The job's longest chain ({chain['steps']} steps) ran from second "
+            f"{chain['started_s']:.0f} to {chain['finished_s']:.0f} of the "
+            f"{chain['all_chains_s']:.0f} s from the first chain's start to the last one's end. "
+            f"Its steps took {chain['mean_step_s_first_quarter']:.1f} s each in its first "
+            f"quarter, with the other chains, and {chain['mean_step_s_last_quarter']:.1f} s in "
+            "its last, nearly alone."
+        )
     if any(r["failed_chains"] for r in (longest, source, end_to_end)) or job["documents_failed"]:
         notes.append("**Some chains or documents failed: the figures are not comparable.**")
     if abs(end_to_end["tokens"] - longest["tokens"]) > 0.01 * longest["tokens"]:
@@ -465,8 +502,11 @@ def main() -> None:
     if not sittings.done("job"):
         sittings.keep("job", run_ray_job(config, corpus, method, work, args.model))
         print(f"4. job: {sittings.runs['job']['end_to_end']['seconds']:.1f} s", flush=True)
-    runs = {name: sittings.runs[name] for name in ("engine_startup_s", *IN_PROCESS_RUNS)}
     job = sittings.runs["job"]
+    if "longest_chain" not in job and (work / "output").is_dir():  # a job of an older version
+        sittings.keep("job", {**job, "longest_chain": longest_chain(work / "output")})
+        job = sittings.runs["job"]
+    runs = {name: sittings.runs[name] for name in ("engine_startup_s", *IN_PROCESS_RUNS)}
     markdown, ratios = report(args, corpus, n_chains, machine, runs, job)
     common.write_results(
         "corpus_efficiency",
