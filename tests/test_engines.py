@@ -29,7 +29,7 @@ from pipeline.engines.base import (
 )
 from pipeline.engines.hardware import default_gpu_memory_utilization, resolve_dtype
 from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
-from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+from pipeline.engines.vllm_local import CPU_STEP_TOKENS, VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec
 from pipeline.runner import ChainRunner
 from tests.chat_server import JsonHandler
@@ -409,6 +409,19 @@ def test_engine_kwargs_reach_vllm_untouched_and_win_over_the_modelled_settings()
     config = VLLMEngineConfig(model="m", enforce_eager=False, engine_kwargs=spec.engine_kwargs)
     assert config.engine_args()["max_num_seqs"] == 8
     assert config.engine_args()["enforce_eager"] is True
+
+
+def test_a_cpu_engine_takes_a_small_token_budget_per_step_unless_told(vllm_engine) -> None:  # type: ignore[no-untyped-def]
+    running = vllm_engine._llm.vllm_config.scheduler_config.max_num_batched_tokens
+    assert running == CPU_STEP_TOKENS < 2048  # vLLM's own default
+    assert (
+        VLLMEngineConfig(model="m", max_num_batched_tokens=4096).engine_args()[
+            "max_num_batched_tokens"
+        ]
+        == 4096
+    )
+    told = VLLMEngineConfig(model="m", engine_kwargs={"max_num_batched_tokens": 1024})
+    assert told.engine_args()["max_num_batched_tokens"] == 1024
 
 
 def test_vllm_engine_health_reports_a_killed_engine_core(test_model_path: str) -> None:

