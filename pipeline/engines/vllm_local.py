@@ -22,7 +22,7 @@ SMALL_MACHINE_CPUS = 4
 # a whole step, so with vLLM's 2048 other chains' prefills slow the longest chain, which no
 # schedule can finish before. On 24 documents of 2K-50K tokens (Intel Xeon, AMX, bfloat16;
 # bench/step_budget.py) 2048 / 512 / 256 took 476 / 440 / 407 s, and the same requests
-# replayed at once 306 / 311 / 344 s: 512 gains most of the first without the second's cost.
+# replayed at once 306 / 311 / 344 s: 512 gains half of what 256 does, at a seventh of its cost.
 CPU_STEP_TOKENS = 512
 
 
