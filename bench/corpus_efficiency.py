@@ -179,7 +179,12 @@ async def run_runner(
     results = await runner.run(chains)
     seconds = time.perf_counter() - started
     failed = sum(result.status != "ok" for result in results)
-    return figures(seconds, common.processed_tokens(results), meter, failed), meter.requests
+    longest = max(results, key=lambda result: result.n_segments)
+    return {
+        **figures(seconds, common.processed_tokens(results), meter, failed),
+        "longest_chain_steps": len(longest.trajectory),
+        "longest_chain_s": sum(record.latency_s for record in longest.trajectory),
+    }, meter.requests
 
 
 async def replay_at_once(engine: VLLMEngine, requests: list[GenerationRequest]) -> dict[str, Any]:

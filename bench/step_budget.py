@@ -15,40 +15,30 @@ of that run replayed at once (the throughput ceiling at that budget). One engine
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import common
 import corpus_efficiency as corpus
-from engine_efficiency import BusyMeter
 
 from pipeline.cli.env import collect
-from pipeline.runner import ChainRunner
+from pipeline.config import MethodConfig
+from pipeline.core.chain import MemoryChain
+from pipeline.engines.vllm_local import VLLMEngineConfig
 
 
-async def measure(budget: int, config: Any, chains: Any, method: Any) -> dict[str, Any]:
+async def measure(
+    budget: int, config: VLLMEngineConfig, chains: list[MemoryChain], method: MethodConfig
+) -> dict[str, Any]:
+    """The runner longest-first at this budget, then its requests replayed at once."""
     async with common.warm_engine(replace(config, max_num_batched_tokens=budget)) as engine:
-        await engine.reset_prefix_cache()
-        meter = BusyMeter(engine)
-        runner = ChainRunner(meter, method.sampling(), corpus.MAX_ACTIVE_CHAINS)
-        started = time.perf_counter()
-        results = await runner.run(chains)
-        makespan = time.perf_counter() - started
-        longest = max(results, key=lambda result: result.n_segments)
-        steps = [record.latency_s for record in longest.trajectory]
-        ceiling = await corpus.replay_at_once(engine, meter.requests)
+        run, requests = await corpus.run_runner(engine, chains, method, longest_first=True)
+        ceiling = await corpus.replay_at_once(engine, requests)
     return {
         "budget": budget,
-        "makespan_s": makespan,
+        **run,
         "ceiling_s": ceiling["seconds"],
-        "runner_of_ceiling": ceiling["seconds"] / makespan,
-        "longest_chain_steps": len(steps),
-        "longest_chain_s": sum(steps),
-        "mean_requests_in_flight": meter.request_seconds / makespan,
-        "tokens": common.processed_tokens(results),
-        "failed_chains": sum(result.status != "ok" for result in results),
+        "runner_of_ceiling": ceiling["seconds"] / run["seconds"],
     }
 
 
@@ -66,7 +56,7 @@ def main() -> None:
     method = common.bench_method(args, corpus.TEMPLATE)
     config = common.engine_config(args, corpus.KV_CACHE_GIB)
     tokenizer = common.load_tokenizer(config)
-    work = Path(corpus.default_work_folder(f"step-budget-{args.max_tokens}-{config.dtype}"))
+    work = corpus.default_work_folder(f"step-budget-{args.max_tokens}-{config.dtype}")
     documents = corpus.write_corpus(work / "corpus", sizes, tokenizer)
     rows = []
     for budget in (int(b) for b in args.budgets.split(",")):
@@ -85,7 +75,7 @@ def main() -> None:
         *common.table(
             ["step budget (tokens)", "runner makespan s", "its longest chain s (steps)",
              "ceiling s", "runner / ceiling", "mean requests in flight", "failed chains"],
-            [(r["budget"], f"{r['makespan_s']:.1f}",
+            [(r["budget"], f"{r['seconds']:.1f}",
               f"{r['longest_chain_s']:.1f} ({r['longest_chain_steps']})", f"{r['ceiling_s']:.1f}",
               f"{r['runner_of_ceiling']:.2f}", f"{r['mean_requests_in_flight']:.1f}",
               r["failed_chains"]) for r in rows],

