@@ -17,12 +17,12 @@ prefix cache reset before each run. The job's end-to-end figure includes Ray and
 start-up; its steady state counts from its first model call to its last (`RunSummary.busy_s`).
 
 Each finished run's figures are kept as it ends, in `bench/results/corpus_efficiency-sittings-
-<full|quick>-<dtype>.json` (committed with the results, so sittings on later days carry over), each
-with the machine it ran on; the report says so when they differ. Run 1's requests, which the
-ceiling replays, and the generated corpus stay in a work folder under the cache (`--work`); a
-sitting that finds no requests for a ceiling still owed runs run 1 again. `--resume` skips the
-finished runs, so the full size, longer than a session, is measured over several sittings; a
-run that was stopped starts again from its beginning, since half a run has no figures.
+<full|quick>-<dtype>-step<budget>.json` (committed with the results, so sittings on later days
+carry over), each with the machine it ran on; the report says so when they differ. Run 1's
+requests, which the ceiling replays, and the generated corpus stay in a work folder under the cache
+(`--work`); a sitting that finds no requests for a ceiling still owed runs run 1 again. `--resume`
+skips the finished runs, so the full size, longer than a session, is measured over several
+sittings; a run that was stopped starts again from its beginning, since half a run has no figures.
 
     .venv/bin/python bench/corpus_efficiency.py --resume   # full size: 87 min, 2-core Xeon (AMX)
     .venv/bin/python bench/corpus_efficiency.py --quick    # small documents: 12 minutes, 2 cores
@@ -203,12 +203,13 @@ class Sittings:
     requests in `<work>/requests.jsonl`, which the ceiling replays."""
 
     def __init__(
-        self, record: Path, work: Path, sizes: Sizes, model: str, dtype: str, *, resume: bool
-    ) -> None:
+        self, record: Path, work: Path, sizes: Sizes, config: VLLMEngineConfig, model: str, *,
+        resume: bool,
+    ) -> None:  # fmt: skip
         self._runs_path = record
         self._requests_path = work / "requests.jsonl"
-        identity = {"sizes": asdict(sizes), "model": model, "dtype": dtype, "seed": SEED,
-                    "template": TEMPLATE}  # fmt: skip
+        identity = {"sizes": asdict(sizes), "model": model, "dtype": config.dtype, "seed": SEED,
+                    "template": TEMPLATE, "step_budget": step_budget(config)}  # fmt: skip
         kept = json.loads(record.read_text()) if record.exists() else None
         if resume and kept and kept["identity"] == identity:
             self.runs: dict[str, Any] = kept["runs"]
@@ -290,7 +291,8 @@ def run_ray_job(
         "output": str(folder / "output"),
         "state_store": f"sqlite:///{folder / 'state.sqlite'}",
         "engine": {"model": model, "max_model_len": config.max_model_len, "dtype": config.dtype,
-                   "enforce_eager": True, "cpu_kvcache_space_gib": config.cpu_kvcache_space_gib},
+                   "enforce_eager": True, "cpu_kvcache_space_gib": config.cpu_kvcache_space_gib,
+                   "engine_kwargs": {"max_num_batched_tokens": step_budget(config)}},
         "method": method.as_dict(),
         "concurrency": {"actors": 1, "schedule": "longest-first",
                         "batches_in_flight": max(32, len(corpus)),
@@ -338,13 +340,20 @@ def longest_chain(output: Path) -> dict[str, Any]:
     }
 
 
-def sizes_label(sizes: Sizes, model: str, dtype: str) -> str:
-    """The sittings' name: full-<dtype> or quick-<dtype> for the pinned sizes and model, else a
-    key of the sizes, model and dtype."""
+def step_budget(config: VLLMEngineConfig) -> int | None:
+    """The most prompt tokens one engine step takes, as the engine will be started; None: vLLM's
+    own default."""
+    return config.engine_args().get("max_num_batched_tokens")
+
+
+def sizes_label(sizes: Sizes, model: str, dtype: str, budget: int | None) -> str:
+    """The sittings' name: full-<dtype>-step<budget> or quick-..., for the pinned sizes and model,
+    else a key of them all."""
     label = {FULL: "full", QUICK: "quick"}.get(sizes)
     if label and model == common.DEFAULT_MODEL:
-        return f"{label}-{dtype}"
-    return hashlib.sha256(json.dumps([asdict(sizes), model, dtype, SEED]).encode()).hexdigest()[:12]
+        return f"{label}-{dtype}-step{budget or 'vllm'}"
+    key = [asdict(sizes), model, dtype, budget, SEED]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
 
 
 def default_work_folder(label: str) -> Path:
@@ -475,6 +484,10 @@ def main() -> None:
     parser.add_argument(
         "--resume", action="store_true", help="skip the runs an earlier sitting finished"
     )
+    parser.add_argument(
+        "--step-budget", type=int, help="the most prompt tokens an engine step takes (default: "
+        "memstream's, CPU_STEP_TOKENS on a CPU)",
+    )  # fmt: skip
     args = parser.parse_args()
     base = QUICK if args.quick else FULL
     sizes = Sizes(
@@ -491,11 +504,12 @@ def main() -> None:
     machine = collect()
     method = common.bench_method(args, TEMPLATE)
     config = common.engine_config(args, KV_CACHE_GIB)
+    config = replace(config, max_num_batched_tokens=args.step_budget)
     tokenizer = common.load_tokenizer(config)
-    label = sizes_label(sizes, args.model, config.dtype)
+    label = sizes_label(sizes, args.model, config.dtype, step_budget(config))
     work = args.work or default_work_folder(label)
     record = common.RESULTS / f"corpus_efficiency-sittings-{label}.json"
-    sittings = Sittings(record, work, sizes, args.model, config.dtype, resume=args.resume)
+    sittings = Sittings(record, work, sizes, config, args.model, resume=args.resume)
     if sittings.runs:
         print(f"resuming from {record}: done {', '.join(sittings.runs)}", flush=True)
     corpus = write_corpus(work / "corpus", sizes, tokenizer)
