@@ -23,6 +23,7 @@ from pipeline.cli.evaluate import (
     evaluate,
     previous_results,
     register,
+    regrade_run,
     report_run,
     resolve_request,
     resumed_metadata,
@@ -46,6 +47,7 @@ from pipeline.evaluation.execution import EvalMethod, EvalSettings, parse_method
 from pipeline.evaluation.haystack import HaystackCorpus, Passage, split_passages
 from pipeline.evaluation.hotpotqa import HotpotExample, HotpotQABuilder
 from pipeline.evaluation.niah import VARIANTS, NiahBuilder, NiahCase
+from pipeline.evaluation.regrade import regrade
 from pipeline.evaluation.report import (
     ACCURACY_PLOT,
     RESULTS_JSON,
@@ -293,6 +295,43 @@ def prediction(method: str, accuracy: float, **fields: Any) -> Prediction:
     }
     scores = dict.fromkeys(("accuracy", "sub_em"), accuracy)
     return Prediction(method=method, scores=scores, **values)
+
+
+REGRADE_SAMPLE = EvalSample(
+    task="niah", sample_id="s", length_label="1k", target_tokens=1024,
+    document="Boilerplate. The storage node that ran out of disk space was storage-node-17. More.",
+    n_tokens=20, question="q?", answers=("storage-node-17",),
+)  # fmt: skip
+
+
+def test_regrading_scores_the_recorded_answers_again_against_rebuilt_samples() -> None:
+    right = prediction("m", 0.0, sample_id="s", gold=["storage-node-17"],
+                       prediction="storage-node-17", final_memory="storage-node-17")  # fmt: skip
+    failed = prediction("m", 0.0, sample_id="gone", status="error", prediction=None)
+    asked: list[tuple[str, str]] = []
+
+    def build(task: str, length_label: str) -> list[EvalSample]:
+        asked.append((task, length_label))
+        return [replace(REGRADE_SAMPLE, task=task, length_label=length_label)]
+
+    regraded = regrade([right, failed], build)
+
+    assert asked == [("hotpotqa", "8k")]  # once per group
+    assert regraded.predictions[0].scores["accuracy"] == 1.0
+    assert "grounded" in regraded.predictions[0].scores
+    assert (regraded.accuracy_changed, regraded.grounded_changed) == (1, 1)
+    assert regraded.predictions[1] is failed
+    assert regraded.predictions[0].prediction == right.prediction  # only the scores change
+
+
+def test_regrading_refuses_samples_that_do_not_rebuild_as_the_run_had_them() -> None:
+    other_question = prediction("m", 1.0, sample_id="s", question="another question?")
+    with pytest.raises(ValueError, match="does not rebuild as the run had it"):
+        regrade([other_question], lambda task, label: [replace(REGRADE_SAMPLE, task=task,
+                                                               length_label=label)])  # fmt: skip
+    missing = prediction("m", 1.0, sample_id="not-built")
+    with pytest.raises(ValueError, match="not-built"):
+        regrade([missing], lambda task, label: [])
 
 
 def test_summaries_average_per_task_length_and_method() -> None:
@@ -619,7 +658,7 @@ def test_chunks_that_cannot_fit_the_window_are_refused() -> None:
 
 @pytest.mark.engine
 def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
-    vllm_engine, event_loop_runner, tokenizer, tmp_path, capsys
+    vllm_engine, event_loop_runner, tokenizer, corpora, tmp_path, capsys
 ) -> None:
     """What `memstream eval` does once its engine is open, on the shared engine's window."""
     pytest.importorskip("matplotlib", reason="the accuracy plot needs matplotlib")
@@ -655,3 +694,13 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
     results = json.loads((output / RESULTS_JSON).read_text())
     assert len(results["predictions"]) == 8 and len(results["summary"]) == 4
     assert "| hotpotqa | 1.5k |" in capsys.readouterr().out
+
+    # Re-grading rebuilds the same samples from the run's metadata and gives the same scores.
+    assert regrade_run(output, corpora) == 0
+    regraded = json.loads((output / RESULTS_JSON).read_text())
+    assert regraded["regraded_at"]
+    assert [p["scores"] for p in regraded["predictions"]] == [
+        p["scores"] for p in results["predictions"]
+    ]
+    said = " ".join(capsys.readouterr().err.split())
+    assert "grounded flag changed for 0, accuracy for 0" in said

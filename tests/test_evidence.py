@@ -308,6 +308,30 @@ def test_memory_sentence_vouches_for_a_short_answer_without_question_terms_nearb
     assert_exact(backed, REPORT)
 
 
+def test_an_answer_led_in_by_that_is_located_without_it():
+    """ "Therefore, the answer is that ..." leaves "that" before a verbatim source line."""
+    log = (
+        "2025-03-13T00:35:21Z DEBUG billing-worker disk usage on storage-node-8 at 55%\n"
+        * 40
+        + "2025-03-14T04:51:33Z CRITICAL storage-node-17 disk /var/lib/ledger is full (0 bytes "
+        "free); writes rejected\n"
+        + "2025-03-14T04:51:36Z INFO search-indexer heartbeat ok from node-4976\n"
+        * 40
+    )
+    answer = "that storage-node-17 disk /var/lib/ledger is full (0 bytes free); writes rejected"
+    memory = (
+        "storage-node-8\n2025-03-14T04:51:33Z CRITICAL storage-node-17 disk /var/lib/ledger is "
+        "full (0 bytes free); writes rejected"
+    )
+    grounding = find_evidence(
+        "Which storage node ran out of disk space?", answer, memory, make_segments(log, 2000)
+    )
+    assert grounding.grounded, grounding.reason
+    first = answer_items(grounding)[0]
+    assert first.quote == answer.removeprefix("that ")
+    assert_exact(grounding, log)
+
+
 def test_offsets_stay_exact_when_lower_casing_changes_length():
     parts = [
         "İstanbul İzmir office. " * 20,

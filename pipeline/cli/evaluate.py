@@ -41,6 +41,7 @@ from pipeline.evaluation.execution import EvalMethod, EvalSettings, ProgressHook
 from pipeline.evaluation.haystack import HaystackCorpus, split_passages
 from pipeline.evaluation.hotpotqa import HotpotQABuilder
 from pipeline.evaluation.niah import DEFAULT_DEPTHS, NiahBuilder
+from pipeline.evaluation.regrade import regrade
 from pipeline.evaluation.report import (
     ACCURACY_PLOT,
     RESULTS_JSON,
@@ -150,6 +151,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="keep the configurations OUTPUT/results.json already has (same model and settings "
         "required) and run only the missing ones",
+    )
+    parser.add_argument(
+        "--regrade",
+        action="store_true",
+        help="score the answers in OUTPUT/results.json again with this version's scoring and "
+        "grounding rules and rewrite its tables; no model is called (the samples are rebuilt "
+        "from the run's settings and the corpora)",
     )
     parser.add_argument("--corpora", type=Path, default=corpora.DEFAULT_CORPORA)
     add_engine_arguments(parser)
@@ -280,6 +288,9 @@ class SampleBuilders:
 
 
 def run_eval_command(args: argparse.Namespace) -> int:
+    if args.regrade:
+        terminal.capture(args.output.resolve(), "eval", verbose=args.verbose)
+        return regrade_run(args.output, args.corpora)
 
     spec = engine_spec(args)
     request = resolve_request(args, spec.resolved_max_model_len)
@@ -411,6 +422,37 @@ def report_run(
         console.print(f"{failed} prediction(s) failed; see the errors in results.json")
         return EXIT_PARTIAL_FAILURE
     return 0
+
+
+def regrade_run(output: Path, corpora_root: Path) -> int:
+    """Re-grades the run in `output` in place (see pipeline.evaluation.regrade)."""
+    metadata, outcome = read_results(output / RESULTS_JSON)
+    lengths = {length["label"]: LengthSpec(**length) for length in metadata["lengths"]}
+    request = EvalRequest(
+        tasks=metadata["tasks"],
+        lengths=list(lengths.values()),
+        methods=[],
+        samples=metadata["samples_per_task_and_length"],
+        depths=tuple(metadata.get("niah_depths", DEFAULT_DEPTHS)),
+        settings=EvalSettings(**metadata["settings"]),
+        time_budget_min=None,
+        output=output,
+        corpora=corpora_root,
+        quick=metadata.get("quick", False),
+    )
+    tokenizer = load_tokenizer(EngineSpec(model=metadata["model"]))
+    builders = SampleBuilders(request, tokenizer).by_task()
+    regraded = regrade(outcome.predictions, lambda task, label: builders[task](lengths.get(label)))
+    outcome = SuiteOutcome(predictions=regraded.predictions, runs=outcome.runs)
+    metadata["regraded_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"
+    )
+    console = terminal.current().console()
+    console.print(
+        f"re-graded {len(regraded.predictions)} answers in {output}: the grounded flag changed "
+        f"for {regraded.grounded_changed}, accuracy for {regraded.accuracy_changed}"
+    )
+    return report_run(request, metadata, outcome, console)
 
 
 def run_metadata(request: EvalRequest, spec: EngineSpec) -> dict[str, Any]:

@@ -109,6 +109,9 @@ _NO_ANSWER = re.compile(
     r"|\bnot in (?:document|text|memory|section|article|passage|context|provided)\b"
 )
 _YES_NO = frozenset({"yes", "no", "true", "false"})
+# "The answer is that storage-node-17 is full": the reply's "that" is not the answer's content,
+# and would keep a verbatim answer from matching its source line or the memory's copy of it.
+_LEAD_IN = re.compile(r"^\s*that\s+", re.IGNORECASE)
 _PAGE = "\x00page"
 
 
@@ -187,6 +190,7 @@ def find_evidence(
     if max_items < 0:
         raise ValueError(f"max_items must not be negative, got {max_items}")
     corpus = _Corpus(segments)
+    answer = _LEAD_IN.sub("", answer) if answer else answer
     words = _words(answer or "")
     terms = _question_terms(question)
     memory = _memory_matches(final_memory, corpus, min_score, words, terms)

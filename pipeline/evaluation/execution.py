@@ -219,6 +219,18 @@ async def _run_direct(
     return list(await asyncio.gather(*(answer(sample) for sample in samples)))
 
 
+def grade(
+    sample: EvalSample, answer: str | None, raw_response: str | None, final_memory: str | None
+) -> dict[str, float]:
+    """An answer's scores against the sample's gold answers, and whether it is grounded in the
+    sample's document."""
+    scores = score(sample.answers, sample.answer_mode, answer, raw_response)
+    segments = text_segments(sample.sample_id, sample.document)
+    grounding = find_evidence(sample.question, answer, final_memory or "", segments)
+    scores["grounded"] = float(grounding.grounded)
+    return scores
+
+
 def _prediction(
     sample: EvalSample,
     method: EvalMethod,
@@ -235,15 +247,10 @@ def _prediction(
     error: str | None = None,
     details: dict[str, Any] | None = None,
 ) -> Prediction:
-    scores = score(sample.answers, sample.answer_mode, answer, raw_response)
     if status == "ok":
-        grounding = find_evidence(
-            sample.question,
-            answer,
-            final_memory or "",
-            text_segments(sample.sample_id, sample.document),
-        )
-        scores["grounded"] = float(grounding.grounded)
+        scores = grade(sample, answer, raw_response, final_memory)
+    else:
+        scores = score(sample.answers, sample.answer_mode, answer, raw_response)
     return Prediction(
         task=sample.task,
         length_label=sample.length_label,
