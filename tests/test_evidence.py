@@ -332,6 +332,26 @@ def test_an_answer_led_in_by_that_is_located_without_it():
     assert_exact(grounding, log)
 
 
+def test_a_list_answer_is_grounded_when_each_of_its_items_is():
+    question = "Which companies entered into this Agreement?"
+    both = "Greenfield Analytics, Inc. and Maple Ridge Software LLC"  # not one phrase in the text
+    grounding = find_evidence(question, both, "", CONTRACT_SEGMENTS, CONTRACT_PAGE_STARTS)
+    assert grounding.grounded, grounding.reason
+    assert [item.quote for item in answer_items(grounding)] == [
+        "Greenfield Analytics, Inc",
+        "Maple Ridge Software LLC",
+    ]
+    assert "Each of the 2 items" in grounding.reason and "page 1" in grounding.reason
+    assert_exact(grounding, CONTRACT, CONTRACT_PAGE_STARTS)
+
+    one_invented = "Greenfield Analytics, Inc. and Acme Holdings LLC"
+    refused = find_evidence(question, one_invented, "", CONTRACT_SEGMENTS, CONTRACT_PAGE_STARTS)
+    assert not refused.grounded
+    assert "'Acme Holdings LLC' is not grounded" in refused.reason
+    title = "SERVICES AND HOSTING AGREEMENT"  # an upper-case AND does not make a list
+    assert "items it lists" not in find_evidence(question, title, "", CONTRACT_SEGMENTS).reason
+
+
 def test_offsets_stay_exact_when_lower_casing_changes_length():
     parts = [
         "İstanbul İzmir office. " * 20,

@@ -112,6 +112,7 @@ _YES_NO = frozenset({"yes", "no", "true", "false"})
 # "The answer is that storage-node-17 is full": the reply's "that" is not the answer's content,
 # and would keep a verbatim answer from matching its source line or the memory's copy of it.
 _LEAD_IN = re.compile(r"^\s*that\s+", re.IGNORECASE)
+_LIST_SEPARATOR = re.compile(r"\s*;\s*|,?\s+(?:and|&)\s+")
 _PAGE = "\x00page"
 
 
@@ -194,13 +195,38 @@ def find_evidence(
     words = _words(answer or "")
     terms = _question_terms(question)
     memory = _memory_matches(final_memory, corpus, min_score, words, terms)
-    matches, grounded, reason = _ground(answer, words, terms, corpus, memory, max_items)
+    matches, grounded, reason = _ground(answer, words, terms, corpus, memory, max(max_items, 1))
+    if grounded:
+        reason = _with_page(reason, corpus.evidence(matches[0], "answer", page_starts))
+    elif len(parts := _list_parts(answer or "")) > 1:
+        grounded_parts = [_ground(part, _words(part), terms, corpus, memory, 1) for part in parts]
+        if all(part_grounded for _, part_grounded, _ in grounded_parts):
+            matches = [part_matches[0] for part_matches, _, _ in grounded_parts]
+            grounded = True
+            reason = f"Each of the {len(parts)} items the answer lists is grounded. " + " ".join(
+                f"{part!r}: {_with_page(why, corpus.evidence(found, 'answer', page_starts))}"
+                for part, found, (_, _, why) in zip(parts, matches, grounded_parts, strict=True)
+            )
+        else:
+            part, (_, _, why) = next(
+                (part, found) for part, found in zip(parts, grounded_parts, strict=True)
+                if not found[1]
+            )  # fmt: skip
+            reason += f" Of the {len(parts)} items it lists, {part!r} is not grounded: {why}"
     evidence = [corpus.evidence(m, "answer", page_starts) for m in matches]
     evidence += [corpus.evidence(m.match, "memory", page_starts) for m in memory]
-    if grounded:
-        page = evidence[0].page
-        reason = reason.replace(_PAGE, "" if page is None else f", page {page}")
     return Grounding(tuple(evidence[:max_items]), grounded, reason)
+
+
+def _with_page(reason: str, best: Evidence) -> str:
+    return reason.replace(_PAGE, "" if best.page is None else f", page {best.page}")
+
+
+def _list_parts(answer: str) -> list[str]:
+    """The items of an answer that lists several ("A and B", "A; B"), each with words; only a
+    lower-case "and" separates, so a title such as "SERVICES AND HOSTING AGREEMENT" stays whole."""
+    parts = (part.strip(" \t\n()[]\"'.,") for part in _LIST_SEPARATOR.split(answer))
+    return [part for part in parts if _words(part)]
 
 
 @dataclass(frozen=True)
