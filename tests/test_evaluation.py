@@ -704,3 +704,14 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
     ]
     said = " ".join(capsys.readouterr().err.split())
     assert "grounded flag changed for 0, accuracy for 0" in said
+
+
+def test_regrading_a_folder_without_a_run_says_so_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipeline.cli import main
+
+    empty = tmp_path / "no-run"
+    assert main.main(["eval", "--regrade", "--output", str(empty)]) == 2
+    assert "nothing to re-grade" in capsys.readouterr().err
+    assert not empty.exists()

@@ -289,6 +289,11 @@ class SampleBuilders:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     if args.regrade:
+        if not (args.output / RESULTS_JSON).is_file():
+            raise ValueError(
+                f"nothing to re-grade: {args.output / RESULTS_JSON} does not exist (--output "
+                "names the folder of a finished `memstream eval` run)"
+            )
         terminal.capture(args.output.resolve(), "eval", verbose=args.verbose)
         return regrade_run(args.output, args.corpora)
 
