@@ -196,37 +196,48 @@ def find_evidence(
     terms = _question_terms(question)
     memory = _memory_matches(final_memory, corpus, min_score, words, terms)
     matches, grounded, reason = _ground(answer, words, terms, corpus, memory, max(max_items, 1))
-    if grounded:
-        reason = _with_page(reason, corpus.evidence(matches[0], "answer", page_starts))
-    elif len(parts := _list_parts(answer or "")) > 1:
-        grounded_parts = [_ground(part, _words(part), terms, corpus, memory, 1) for part in parts]
-        if all(part_grounded for _, part_grounded, _ in grounded_parts):
-            matches = [part_matches[0] for part_matches, _, _ in grounded_parts]
-            grounded = True
-            reason = f"Each of the {len(parts)} items the answer lists is grounded. " + " ".join(
-                f"{part!r}: {_with_page(why, corpus.evidence(found, 'answer', page_starts))}"
-                for part, found, (_, _, why) in zip(parts, matches, grounded_parts, strict=True)
-            )
-        else:
-            part, (_, _, why) = next(
-                (part, found) for part, found in zip(parts, grounded_parts, strict=True)
-                if not found[1]
-            )  # fmt: skip
-            reason += f" Of the {len(parts)} items it lists, {part!r} is not grounded: {why}"
+    if not grounded and len(items := _list_items(answer or "")) > 1:
+        matches, grounded, reason = _ground_items(items, terms, corpus, memory, reason)
     evidence = [corpus.evidence(m, "answer", page_starts) for m in matches]
+    if grounded:
+        reason = _with_pages(reason, evidence)
     evidence += [corpus.evidence(m.match, "memory", page_starts) for m in memory]
     return Grounding(tuple(evidence[:max_items]), grounded, reason)
 
 
-def _with_page(reason: str, best: Evidence) -> str:
-    return reason.replace(_PAGE, "" if best.page is None else f", page {best.page}")
+def _ground_items(
+    items: list[str],
+    terms: list[str],
+    corpus: _Corpus,
+    memory: list[_MemoryMatch],
+    whole_reason: str,
+) -> tuple[list[_Match], bool, str]:
+    """A list answer not found whole is grounded when each of its items is; its matches are
+    each item's best one, in order. A refused list names its first item that is not grounded."""
+    grounded_items = [_ground(item, _words(item), terms, corpus, memory, 1) for item in items]
+    for item, (_, item_grounded, why) in zip(items, grounded_items, strict=True):
+        if not item_grounded:
+            reason = f"{whole_reason} Of the {len(items)} items it lists, {item!r} is not grounded"
+            return [], False, f"{reason}: {why}"
+    whys = (why for _, _, why in grounded_items)
+    reasons = " ".join(f"{item!r}: {why}" for item, why in zip(items, whys, strict=True))
+    matches = [item_matches[0] for item_matches, _, _ in grounded_items]
+    return matches, True, f"Each of the {len(items)} items the answer lists is grounded. {reasons}"
 
 
-def _list_parts(answer: str) -> list[str]:
+def _with_pages(reason: str, answer_evidence: Sequence[Evidence]) -> str:
+    """The reason with its n-th page placeholder filled from the n-th answer match's page (a
+    whole answer's reason names only its best match, the first)."""
+    pieces = reason.split(_PAGE)
+    pages = ("" if item.page is None else f", page {item.page}" for item in answer_evidence)
+    return pieces[0] + "".join(page + piece for page, piece in zip(pages, pieces[1:], strict=False))
+
+
+def _list_items(answer: str) -> list[str]:
     """The items of an answer that lists several ("A and B", "A; B"), each with words; only a
     lower-case "and" separates, so a title such as "SERVICES AND HOSTING AGREEMENT" stays whole."""
-    parts = (part.strip(" \t\n()[]\"'.,") for part in _LIST_SEPARATOR.split(answer))
-    return [part for part in parts if _words(part)]
+    items = (item.strip(" \t\n()[]\"'.,") for item in _LIST_SEPARATOR.split(answer))
+    return [item for item in items if _words(item)]
 
 
 @dataclass(frozen=True)

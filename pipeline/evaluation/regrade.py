@@ -29,6 +29,10 @@ def sample_key(item: Prediction | EvalSample) -> SampleKey:
     return item.task, item.length_label, item.sample_id
 
 
+def asked(prediction: Prediction) -> tuple[str, list[str]]:
+    return prediction.question, prediction.gold
+
+
 def regrade(
     predictions: Sequence[Prediction], build: Callable[[str, str], Iterable[EvalSample]]
 ) -> Regraded:
@@ -44,10 +48,7 @@ def regrade(
             regraded.append(prediction)
             continue
         sample = samples.get(sample_key(prediction))
-        if sample is None or (sample.question, list(sample.answers)) != (
-            prediction.question,
-            prediction.gold,
-        ):
+        if sample is None or (sample.question, list(sample.answers)) != asked(prediction):
             raise ValueError(
                 f"sample {prediction.sample_id} ({prediction.task}, {prediction.length_label}) "
                 "does not rebuild as the run had it: other corpora or another tokenizer?"
