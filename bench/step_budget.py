@@ -26,6 +26,8 @@ from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
 from pipeline.engines.vllm_local import VLLMEngineConfig
 
+DEFAULT_MAX_TOKENS = 50_000  # results of other sizes go to step_budget-<max tokens>.md/json
+
 
 async def measure(
     budget: int, config: VLLMEngineConfig, chains: list[MemoryChain], method: MethodConfig
@@ -46,7 +48,9 @@ def main() -> None:
     parser = common.bench_parser(__doc__)
     parser.set_defaults(chunk_size=2000, max_memory_tokens=128, dtype="auto")
     parser.add_argument("--budgets", default="2048,512,256", help="step budgets, in run order")
-    parser.add_argument("--max-tokens", type=int, default=50_000, help="the longest document")
+    parser.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="the longest document"
+    )
     args = parser.parse_args()
     sizes = corpus.Sizes(
         documents=24, min_tokens=2000, max_tokens=args.max_tokens,
@@ -82,7 +86,8 @@ def main() -> None:
         ),
     ])  # fmt: skip
     payload = {"args": vars(args), "rows": rows, "cpu": cpu, "dtype": machine["dtype"]}
-    common.write_results("step_budget", payload, markdown)
+    size = "" if args.max_tokens == DEFAULT_MAX_TOKENS else f"-{args.max_tokens}"
+    common.write_results(f"step_budget{size}", payload, markdown)
 
 
 if __name__ == "__main__":
