@@ -340,18 +340,20 @@ def longest_chain(output: Path) -> dict[str, Any]:
     }
 
 
-def step_budget(config: VLLMEngineConfig) -> int | None:
-    """The most prompt tokens one engine step takes, as the engine will be started; None: vLLM's
-    own default."""
-    return config.engine_args().get("max_num_batched_tokens")
+def step_budget(config: VLLMEngineConfig) -> int:
+    """The most prompt tokens one engine step takes, as the engine will be started."""
+    from vllm.config.scheduler import SchedulerConfig
+
+    told = config.engine_args().get("max_num_batched_tokens")
+    return told or SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
-def sizes_label(sizes: Sizes, model: str, dtype: str, budget: int | None) -> str:
+def sizes_label(sizes: Sizes, model: str, dtype: str, budget: int) -> str:
     """The sittings' name: full-<dtype>-step<budget> or quick-..., for the pinned sizes and model,
     else a key of them all."""
     label = {FULL: "full", QUICK: "quick"}.get(sizes)
     if label and model == common.DEFAULT_MODEL:
-        return f"{label}-{dtype}-step{budget or 'vllm'}"
+        return f"{label}-{dtype}-step{budget}"
     key = [asdict(sizes), model, dtype, budget, SEED]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
 
@@ -486,7 +488,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--step-budget", type=int, help="the most prompt tokens an engine step takes (default: "
-        "memstream's, CPU_STEP_TOKENS on a CPU)",
+        "vLLM's, 2048)",
     )  # fmt: skip
     args = parser.parse_args()
     base = QUICK if args.quick else FULL

@@ -27,7 +27,7 @@ class RunContext:
     run_id: str
     attempt: int
     store_url: str = field(repr=False)  # may hold a database password
-    engine: EngineSpec  # resolved: its dtype is concrete, and part of every chain's key
+    engine: EngineSpec  # resolved: its answer settings are concrete and in every chain's key
     method: MethodConfig
     questions: tuple[Question, ...]  # asked of every document
     limits: DocumentLimits = field(default_factory=DocumentLimits)  # over one: an errors row
@@ -38,7 +38,7 @@ class RunContext:
             "question": question,
             "model": self.engine.model,
             "tokenizer": self.engine.tokenizer or self.engine.model,
-            "dtype": self.engine.dtype,
+            **self.engine.answer_settings(),
             "method": self.method.as_dict(),
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

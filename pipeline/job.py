@@ -342,14 +342,15 @@ def _check_server(spec: EngineSpec) -> None:
 
 def derive_job_key(spec: JobSpec, questions: Sequence[Question]) -> str:
     """The same inputs, questions, model, method and output give the same key, whatever the
-    concurrency or engine settings other than the dtype, which changes the answers. A run's id
-    is `<job key>-<n>`; a run resumes only an unfinished run of the same key."""
+    concurrency or engine settings other than those that change the answers
+    (`EngineSpec.answer_settings`). A run's id is `<job key>-<n>`; a run resumes only an
+    unfinished run of the same key."""
     identity = {
         "sources": list(spec.sources),
         "questions": [asdict(q) for q in questions],
         "model": spec.engine.model,
         "tokenizer": spec.engine.tokenizer,
-        "dtype": spec.engine.dtype,
+        **spec.engine.answer_settings(),
         "method": spec.method.as_dict(),
         "output": spec.output.uri,
     }
@@ -682,15 +683,6 @@ def _first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
-def _engine_line(engine: EngineSpec) -> str:
-    """What ran the model, for the summary: dtype and compile mode only where they apply (an
-    OpenAI-compatible server chooses its own)."""
-    if engine.kind == "openai":
-        return f"openai {engine.model} (an OpenAI-compatible server)"
-    mode = "eager" if engine.enforce_eager else "compiled"
-    return f"{engine.kind} {engine.model}, {engine.dtype}, {mode}"
-
-
 def _finish(
     plan: JobPlan,
     run: RunContext,
@@ -738,7 +730,7 @@ def _finish(
         busy_s=plan.store.busy_window(run.run_id, run.attempt, started_at),
         outputs={name: table.uri for name, table in tables.items()},
         state_store=plan.store.safe_url,
-        engine=_engine_line(spec.engine),
+        engine=spec.engine.describe(),
         changes=changes,
     )
     try:
@@ -763,6 +755,7 @@ def _run_description(plan: JobPlan) -> dict[str, Any]:
             "kind": spec.engine.kind,
             "model": spec.engine.model,
             "dtype": spec.engine.dtype,
+            "prompt_lookup_tokens": spec.engine.prompt_lookup_tokens,
         },
         "method": spec.method.as_dict(),
         "output": spec.output.uri,

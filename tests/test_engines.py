@@ -29,7 +29,7 @@ from pipeline.engines.base import (
 )
 from pipeline.engines.hardware import default_gpu_memory_utilization, resolve_dtype
 from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
-from pipeline.engines.vllm_local import CPU_STEP_TOKENS, VLLMEngine, VLLMEngineConfig
+from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec
 from pipeline.runner import ChainRunner
 from tests.chat_server import JsonHandler
@@ -411,13 +411,53 @@ def test_engine_kwargs_reach_vllm_untouched_and_win_over_the_modelled_settings()
     assert config.engine_args()["enforce_eager"] is True
 
 
-def test_a_cpu_engine_takes_a_small_token_budget_per_step_unless_told(vllm_engine) -> None:  # type: ignore[no-untyped-def]
+def test_the_engine_step_budget_is_vllms_own_unless_told(vllm_engine) -> None:  # type: ignore[no-untyped-def]
+    from vllm.config.scheduler import SchedulerConfig
+
     running = vllm_engine._llm.vllm_config.scheduler_config.max_num_batched_tokens
-    assert running == CPU_STEP_TOKENS < 2048  # vLLM's own default
+    assert running == SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
     wide = VLLMEngineConfig(model="m", max_num_batched_tokens=4096)
     assert wide.engine_args()["max_num_batched_tokens"] == 4096
     told = VLLMEngineConfig(model="m", engine_kwargs={"max_num_batched_tokens": 1024})
     assert told.engine_args()["max_num_batched_tokens"] == 1024
+    assert "speculative_config" not in wide.engine_args()
+    speculative = VLLMEngineConfig(model="m", prompt_lookup_tokens=3).engine_args()
+    assert speculative["speculative_config"]["method"] == "ngram"
+    assert speculative["speculative_config"]["num_speculative_tokens"] == 3
+
+
+def test_prompt_lookup_decodes_the_same_greedy_text_in_float32(test_model_path: str) -> None:
+    """n-gram speculative decoding proposes tokens from the prompt and keeps only those the model
+    would have chosen: in float32 a greedy copy of a passage comes out token for token the same."""
+    passage = (
+        "The storage node storage-node-17 reported that disk /var/lib/ledger is full at 03:14, "
+        "and the ledger service stopped accepting writes until an operator cleared old segments."
+    )
+    prompts = [
+        f"Copy this sentence exactly, then say which node failed.\n\n{passage}",
+        f"<memory>\n{passage}\n</memory>\nRewrite the memory above word for word.",
+    ]
+    base = VLLMEngineConfig(
+        model=test_model_path, max_model_len=1024, dtype="float32",
+        cpu_kvcache_space_gib=1, enforce_eager=True,
+    )  # fmt: skip
+
+    async def texts(config: VLLMEngineConfig) -> list[str]:
+        engine = VLLMEngine(config)
+        try:
+            completions = await asyncio.gather(
+                *(engine.generate(GenerationRequest(f"p{i}", p, 48)) for i, p in enumerate(prompts))
+            )
+            speculative = engine._llm.vllm_config.speculative_config
+            assert (speculative is not None) == bool(config.prompt_lookup_tokens)
+            return [completion.text for completion in completions]
+        finally:
+            await engine.shutdown()
+
+    plain = asyncio.run(texts(base))
+    looked_up = asyncio.run(texts(replace(base, prompt_lookup_tokens=4)))
+    assert looked_up == plain
+    assert any("storage-node-17" in text for text in plain)  # the model did copy from its prompt
 
 
 def test_vllm_engine_health_reports_a_killed_engine_core(test_model_path: str) -> None:

@@ -130,3 +130,21 @@ def test_eager_or_compiled_follows_the_work_planned_unless_named() -> None:
     assert EngineSpec().resolved().enforce_eager is False  # unknown work: a long-lived server
     assert EngineSpec(enforce_eager=False).resolved(planned_tokens=10).enforce_eager is False
     assert EngineSpec(enforce_eager=True).resolved(planned_tokens=large).enforce_eager is True
+
+
+def test_prompt_lookup_is_on_for_a_few_chains_in_16_bits_unless_named() -> None:
+    from pipeline.engines.factory import PROMPT_LOOKUP_MAX_CHAINS, PROMPT_LOOKUP_TOKENS
+
+    few, many = PROMPT_LOOKUP_MAX_CHAINS, PROMPT_LOOKUP_MAX_CHAINS + 1
+    bf16 = EngineSpec(dtype="bfloat16")
+    assert bf16.resolved(planned_chains=few).prompt_lookup_tokens == PROMPT_LOOKUP_TOKENS
+    assert bf16.resolved(planned_chains=many).prompt_lookup_tokens == 0
+    assert bf16.resolved().prompt_lookup_tokens == 0  # a server or a corpus job
+    assert EngineSpec(dtype="float32").resolved(planned_chains=1).prompt_lookup_tokens == 0
+    assert EngineSpec(prompt_lookup_tokens=0, dtype="bfloat16").lookup_for(1) == 0
+    on_avx2 = EngineSpec().resolved(cpu(AVX2_ONLY), planned_chains=1)
+    assert (on_avx2.dtype, on_avx2.prompt_lookup_tokens) == ("float32", 0)
+    named = EngineSpec(prompt_lookup_tokens=2).resolved(planned_chains=many)
+    assert named.prompt_lookup_tokens == 2
+    assert named.describe().endswith("prompt lookup 2")
+    assert "lookup" not in EngineSpec(prompt_lookup_tokens=0).resolved().describe()

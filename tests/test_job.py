@@ -54,7 +54,6 @@ from pipeline.engines.factory import EngineSpec
 from pipeline.job import (
     JobError,
     JobSpec,
-    _engine_line,
     derive_archive_key,
     derive_job_key,
     load_job_spec,
@@ -281,6 +280,8 @@ def test_job_key_is_stable_and_follows_what_changes_the_answers() -> None:
     assert derive_job_key(spec, (Question("q0", "Other?"),)) != job_key
     in_bf16 = job(sources=["docs"], output="out", engine={**ENGINE, "dtype": "bfloat16"})
     assert derive_job_key(in_bf16, questions) != job_key
+    looked_up = job(sources=["docs"], output="out", engine={**ENGINE, "prompt_lookup_tokens": 4})
+    assert derive_job_key(looked_up, questions) != job_key
     # the archive is what a run reads and where it writes, whatever it computes
     assert derive_archive_key(in_bf16) == derive_archive_key(other_method)
     assert derive_archive_key(spec) != derive_archive_key(job(sources=["docs"], output="out2"))
@@ -295,6 +296,9 @@ def test_a_chain_key_names_its_dtype_so_a_resumed_chain_never_mixes_dtypes() -> 
     ]
     keys = [context.chain_key("sha", QUESTION) for context in contexts]
     assert keys[0] == keys[2] != keys[1]
+    engine = replace(spec.engine, dtype="float32", prompt_lookup_tokens=4)
+    looked_up = replace(contexts[0], engine=engine)
+    assert looked_up.chain_key("sha", QUESTION) not in keys
 
 
 def test_unreadable_sources_and_outputs_fail_before_anything_runs(tmp_path: Path) -> None:
@@ -861,6 +865,6 @@ def test_hostile_documents_through_the_real_job(ray_session: None, tmp_path: Pat
 
 def test_the_summary_names_dtype_and_mode_only_for_an_engine_that_has_them() -> None:
     local = EngineSpec(model="m", dtype="float32", enforce_eager=True)
-    assert _engine_line(local) == "vllm m, float32, eager"
+    assert local.describe() == "vllm m, float32, eager"
     server = EngineSpec(kind="openai", model="m", base_url="http://user:secret@127.0.0.1:1/v1")
-    assert _engine_line(server) == "openai m (an OpenAI-compatible server)"
+    assert server.describe() == "openai m (an OpenAI-compatible server)"

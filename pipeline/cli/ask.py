@@ -79,15 +79,16 @@ def ask_files(
     tokenizer = load_tokenizer(spec)
     check_context_fit(method, questions, tokenizer, spec.resolved_max_model_len)
     prepared = [prepare(document, questions, tokenizer, method) for document in documents]
-    planned = sum(chain.tokens_left for document in prepared for chain in document.chains)
-    spec = spec.resolved(planned_tokens=planned)
+    chains = [chain for document in prepared for chain in document.chains]
+    spec = spec.resolved(
+        planned_tokens=sum(chain.tokens_left for chain in chains), planned_chains=len(chains)
+    )
     results, timings = asyncio.run(run_with_progress(prepared, spec, method, console))
     if as_json:
         print(json.dumps(as_records(prepared, results, spec, timings), indent=2), file=term.out)
     else:
         print_answers(prepared, results, term.out)
-    mode = "eager" if spec.enforce_eager else "compiled"
-    print(f"engine: {spec.kind} {spec.model}, {spec.dtype}, {mode}", file=term.err)
+    print(f"engine: {spec.describe()}", file=term.err)
     term.print_log_path()
     failed_chains = sum(r.status != "ok" for rs in results.values() for r in rs)
     if failures or failed_chains:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,8 @@ def run_demo(output: Path, spec: EngineSpec, method: MethodConfig, scale: float)
     expected_file = democorpus.write(corpus, documents)
     console.print(f"demo corpus: {len(documents)} documents with planted facts in {corpus}")
     models.ensure_pulled(spec.model, console.print)
+    chains = sum(len(document.facts) for document in documents)  # a question per planted fact
+    spec = replace(spec, prompt_lookup_tokens=spec.lookup_for(chains))
     job = JobSpec(
         sources=(str(corpus),),
         output=OutputSpec(uri=str(output / "runs")),

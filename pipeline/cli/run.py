@@ -34,6 +34,7 @@ FLAG_KEYS: dict[str, tuple[str | None, str]] = {
     "dtype": ("engine", "dtype"),
     "enforce_eager": ("engine", "enforce_eager"),
     "kv_cache_gib": ("engine", "cpu_kvcache_space_gib"),
+    "prompt_lookup": ("engine", "prompt_lookup_tokens"),
     "chunk_size": ("method", "chunk_size"),
     "snap_window": ("method", "snap_window"),
     "max_memory_tokens": ("method", "max_memory_tokens"),

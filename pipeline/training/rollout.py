@@ -243,7 +243,8 @@ async def roll_out_samples(
 
 def rollout_engine_spec(config: TrainConfig, weights: Path) -> EngineSpec:
     """float32, so the engine's log-probabilities match the learner's (issue 17's sync rule);
-    reported after the temperature, as the learner computes them."""
+    reported after the temperature, as the learner computes them; no prompt lookup, whose
+    rejection sampling the learner does not model."""
     return EngineSpec(
         model=str(weights),
         tokenizer=models.resolve(config.model),
@@ -251,6 +252,7 @@ def rollout_engine_spec(config: TrainConfig, weights: Path) -> EngineSpec:
         max_model_len=config.max_model_len,
         cpu_kvcache_space_gib=config.kv_cache_gib,
         enforce_eager=True,
+        prompt_lookup_tokens=0,
         engine_kwargs={"logprobs_mode": "processed_logprobs"},
     )
 
