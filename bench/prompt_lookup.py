@@ -51,21 +51,11 @@ async def alone(
 
 
 def main() -> None:
-    parser = common.bench_parser(__doc__)
-    parser.set_defaults(chunk_size=2000, max_memory_tokens=128, dtype="auto")
+    parser = step_budget.corpus_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=4, help="prompt lookup's N")
-    parser.add_argument("--max-tokens", type=int, default=50_000, help="the longest document")
     args = parser.parse_args()
-    sizes = corpus.Sizes(
-        documents=24, min_tokens=2000, max_tokens=args.max_tokens,
-        chunk_size=args.chunk_size, max_memory_tokens=args.max_memory_tokens,
-    )  # fmt: skip
     machine = collect()
-    method = common.bench_method(args, corpus.TEMPLATE)
-    config = common.engine_config(args, corpus.KV_CACHE_GIB)
-    tokenizer = common.load_tokenizer(config)
-    work = corpus.default_work_folder(f"prompt-lookup-{args.max_tokens}-{config.dtype}")
-    documents = corpus.write_corpus(work / "corpus", sizes, tokenizer)
+    method, config, tokenizer, documents = step_budget.mixed_corpus(args, "prompt-lookup")
     longest = max(documents, key=lambda document: document.n_tokens)
     rows = []
     for lookup in (0, args.tokens):

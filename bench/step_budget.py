@@ -14,6 +14,7 @@ of that run replayed at once (the throughput ceiling at that budget). One engine
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from dataclasses import replace
 from typing import Any
@@ -44,24 +45,38 @@ async def measure(
     }
 
 
-def main() -> None:
-    parser = common.bench_parser(__doc__)
+def corpus_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a benchmark on this corpus: the engine's, and the longest document."""
+    parser = common.bench_parser(doc)
     parser.set_defaults(chunk_size=2000, max_memory_tokens=128, dtype="auto")
-    parser.add_argument("--budgets", default="2048,512,256", help="step budgets, in run order")
     parser.add_argument(
         "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="the longest document"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def mixed_corpus(
+    args: argparse.Namespace, label: str
+) -> tuple[MethodConfig, VLLMEngineConfig, Any, list[corpus.CorpusDocument]]:
+    """The method, engine settings and tokenizer of the benchmark, and its corpus, drawn as
+    `corpus_efficiency.py` draws it up to `--max-tokens` and written under the cache."""
     sizes = corpus.Sizes(
         documents=24, min_tokens=2000, max_tokens=args.max_tokens,
         chunk_size=args.chunk_size, max_memory_tokens=args.max_memory_tokens,
     )  # fmt: skip
-    machine = collect()
     method = common.bench_method(args, corpus.TEMPLATE)
     config = common.engine_config(args, corpus.KV_CACHE_GIB)
     tokenizer = common.load_tokenizer(config)
-    work = corpus.default_work_folder(f"step-budget-{args.max_tokens}-{config.dtype}")
-    documents = corpus.write_corpus(work / "corpus", sizes, tokenizer)
+    work = corpus.default_work_folder(f"{label}-{args.max_tokens}-{config.dtype}")
+    return method, config, tokenizer, corpus.write_corpus(work / "corpus", sizes, tokenizer)
+
+
+def main() -> None:
+    parser = corpus_parser(__doc__)
+    parser.add_argument("--budgets", default="2048,512,256", help="step budgets, in run order")
+    args = parser.parse_args()
+    machine = collect()
+    method, config, tokenizer, documents = mixed_corpus(args, "step-budget")
     rows = []
     for budget in (int(b) for b in args.budgets.split(",")):
         chains = corpus.build_chains(documents, tokenizer, method)
