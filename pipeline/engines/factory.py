@@ -24,11 +24,10 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 # room for the noise in those few percent.
 COMPILE_PAYS_OFF_TOKENS = 2_000_000
 # Prompt lookup (n-gram speculative decoding) for at most this many chains at once, in a 16-bit
-# dtype. A memory update copies much of its prompt, so a lone chain decodes faster with it
-# (Intel Xeon, AMX, SmolLM2: 1.9x in bfloat16, 1.2x in float32) and the 6-chain demo answered
-# 15% sooner in bfloat16; but 18% later in float32 under AVX2 emulation, where checking the
-# proposals costs compute the CPU lacks, and a full engine ran slower in bfloat16 too (24
-# documents, 48 chains: 28% longer). README, Performance.
+# dtype. A memory update copies much of its prompt, so on an Intel Xeon with AMX in bfloat16 a
+# lone chain ran faster with it and the 6-chain demo answered 15% sooner; in float32 under AVX2
+# emulation the demo answered 18% later (checking proposals costs compute that CPU lacks), and
+# a full engine ran slower in bfloat16 too. Figures: README, Performance (bench/prompt_lookup.py).
 PROMPT_LOOKUP_MAX_CHAINS = 8
 PROMPT_LOOKUP_TOKENS = 4
 
