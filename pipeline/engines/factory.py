@@ -44,8 +44,8 @@ class EngineSpec:
     cpu_kvcache_space_gib: int | None = 4
     enforce_eager: bool | None = None  # None: eager unless the work planned repays a compile
     # n-gram speculative decoding: tokens proposed a step from the prompt's own text (0: off;
-    # None: on for a few chains, PROMPT_LOOKUP_MAX_CHAINS). Exact for greedy decoding in
-    # float32; in bfloat16 its batched check may round differently.
+    # None: by the work planned, `lookup_for`). Greedy text is the same in float32; in bfloat16
+    # its batched check may round differently.
     prompt_lookup_tokens: int | None = None
     # Anything else vLLM's AsyncEngineArgs takes (e.g. max_num_seqs, quantization), passed
     # through untouched and winning over the settings above.
