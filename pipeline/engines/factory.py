@@ -100,21 +100,20 @@ class EngineSpec:
         eager = self.enforce_eager
         if eager is None:
             eager = planned_tokens is not None and planned_tokens < COMPILE_PAYS_OFF_TOKENS
-        dtype = resolve_dtype(self.dtype, hardware)
         return replace(
             self,
-            dtype=dtype,
+            dtype=resolve_dtype(self.dtype, hardware),
             enforce_eager=eager,
-            prompt_lookup_tokens=replace(self, dtype=dtype).lookup_for(planned_chains),
+            prompt_lookup_tokens=self.lookup_for(planned_chains, hardware),
         )
 
-    def lookup_for(self, planned_chains: int | None) -> int:
+    def lookup_for(self, planned_chains: int | None, hardware: Hardware | None = None) -> int:
         """Prompt lookup's tokens for this many chains at once: as set, else on for a few in
-        a 16-bit dtype."""
+        a 16-bit dtype on `hardware` (default: this machine)."""
         if self.prompt_lookup_tokens is not None:
             return self.prompt_lookup_tokens
         few = planned_chains is not None and planned_chains <= PROMPT_LOOKUP_MAX_CHAINS
-        sixteen_bit = resolve_dtype(self.dtype) in ("bfloat16", "float16")
+        sixteen_bit = resolve_dtype(self.dtype, hardware) in ("bfloat16", "float16")
         return PROMPT_LOOKUP_TOKENS if few and sixteen_bit else 0
 
     def describe(self) -> str:
