@@ -39,7 +39,7 @@ class RunContext:
             "model": self.engine.model,
             "tokenizer": self.engine.tokenizer or self.engine.model,
             **self.engine.answer_settings(),
-            "method": self.method.as_dict(),
+            "method": self.method.identity(),
         }
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 

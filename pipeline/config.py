@@ -69,6 +69,11 @@ class MethodConfig:
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
+    def identity(self) -> dict[str, object]:
+        """What of the method changes an answer, for a run's and a chain's key: the settings and
+        the template set's wording."""
+        return {**self.as_dict(), "template_digest": get_template_set(self.template).digest}
+
 
 MIB = 1 << 20
 

@@ -351,7 +351,7 @@ def derive_job_key(spec: JobSpec, questions: Sequence[Question]) -> str:
         "model": spec.engine.model,
         "tokenizer": spec.engine.tokenizer,
         **spec.engine.answer_settings(),
-        "method": spec.method.as_dict(),
+        "method": spec.method.identity(),
         "output": spec.output.uri,
     }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
@@ -757,7 +757,7 @@ def _run_description(plan: JobPlan) -> dict[str, Any]:
             "dtype": spec.engine.dtype,
             "prompt_lookup_tokens": spec.engine.prompt_lookup_tokens,
         },
-        "method": spec.method.as_dict(),
+        "method": spec.method.identity(),
         "output": spec.output.uri,
     }
 

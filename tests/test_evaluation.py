@@ -599,21 +599,45 @@ def test_results_read_back_as_written_and_resume_refuses_other_settings(tmp_path
         previous_results(request, metadata)
 
 
+def test_resume_refuses_a_method_whose_prompts_were_reworded(tmp_path: Path) -> None:
+    request = resolve_request(
+        parse_eval_arguments("--output", str(tmp_path), "--resume"), context_window=16384
+    )
+    metadata = run_metadata(request, EngineSpec(model="m", dtype="float32"))
+    reference = f"memstream:{REFERENCE.name}"
+    assert metadata["template_digests"][reference] == REFERENCE.digest
+    assert "direct" not in metadata["template_digests"]  # no template of ours
+    write_outputs(tmp_path, metadata, outcome_for_reports(), plot=False)
+    results = tmp_path / RESULTS_JSON
+    results.write_text(results.read_text().replace(REFERENCE.digest, "0" * 12))
+    with pytest.raises(ValueError, match=f"wording of {reference}"):
+        previous_results(request, metadata)
+    other_methods = resolve_request(
+        parse_eval_arguments("--output", str(tmp_path), "--resume", "--methods", "direct"),
+        context_window=16384,
+    )  # the reworded method is not asked for again: its cells stay as they are
+    assert previous_results(other_methods, run_metadata(other_methods, EngineSpec(model="m",
+                            dtype="float32"))) is not None  # fmt: skip
+
+
 def test_resumed_metadata_covers_the_earlier_runs_too() -> None:
     earlier = {
         "tasks": ["niah"],
         "methods": ["memstream:x", "direct"],
+        "template_digests": {"memstream:x": "x-digest"},
         "started_at": "t0",
         "lengths": [{"label": "8k", "tokens": 8192}, {"label": "32k", "tokens": 32768}],
     }
     now = {
         "tasks": ["niah"],
         "methods": ["direct"],
+        "template_digests": {},
         "started_at": "t1",
         "lengths": [{"label": "128k", "tokens": 131072}, {"label": "8k", "tokens": 8192}],
     }
     merged = resumed_metadata(earlier, now)
     assert merged["methods"] == ["memstream:x", "direct"] and merged["tasks"] == ["niah"]
+    assert merged["template_digests"] == {"memstream:x": "x-digest"}
     assert [length["label"] for length in merged["lengths"]] == ["8k", "32k", "128k"]
     assert merged["started_at"] == "t1" and merged["earlier_runs_started_at"] == ["t0"]
 

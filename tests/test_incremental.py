@@ -37,6 +37,7 @@ from connectors.state.schema import run_chains, runs
 from connectors.state.store import StateStore
 from operators.run import RunContext
 from pipeline.core.document import PlannedChain
+from pipeline.core.templates import TEMPLATE_SETS, get_template_set
 from pipeline.engines.factory import EngineSpec
 from pipeline.job import JobSpec, derive_archive_key, run_job
 from tests.chat_server import FactChatServer
@@ -149,6 +150,18 @@ def test_model_template_and_question_are_each_part_of_a_chain_key() -> None:
     assert replace(run, engine=replace(spec, model="m2")).chain_key("sha", QUESTION) != key
     segment_first = replace(run.method, template="segment-first")
     assert replace(run, method=segment_first).chain_key("sha", QUESTION) != key
+
+
+def test_a_reworded_template_set_is_another_chain_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = EngineSpec(model="m", dtype="float32")
+    method = JobSpec.from_dict({"sources": ["a"], "output": "o", "method": METHOD}).method
+    run = RunContext("run", 1, "sqlite://", spec, method, ())
+    key = run.chain_key("sha", QUESTION)
+    templates = get_template_set(method.template)
+    reworded = replace(templates, final=templates.final.replace("Please", "Kindly"))
+    monkeypatch.setitem(TEMPLATE_SETS, method.template, reworded)
+    assert reworded.digest != templates.digest
+    assert run.chain_key("sha", QUESTION) != key
 
 
 # --- run_job, with real Ray and an HTTP engine that replies as FactEngine -----------------------

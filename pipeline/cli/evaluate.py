@@ -32,6 +32,7 @@ from pipeline.cli.flags import (
 )
 from pipeline.cli.progress import LineThrottle
 from pipeline.config import MethodConfig, check_context_fit
+from pipeline.core.templates import get_template_set
 from pipeline.corpora.cuad import load_cuad
 from pipeline.engines.base import Engine
 from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
@@ -68,6 +69,14 @@ RESUME_KEYS = (
 )  # fmt: skip
 # Results written before the dtype was recorded were made in the then hard-coded bfloat16.
 DTYPE_BEFORE_IT_WAS_RECORDED = "bfloat16"
+# The template sets' wording when results began to record it (`TemplateSet.digest`).
+TEMPLATE_DIGESTS_BEFORE_THEY_WERE_RECORDED = {
+    "memstream:memagent-reference": "1b97963bc80d",
+    "memstream:extractive": "a4c75e0082e5",
+    "memstream:append-evidence": "6e1f64c63aff",
+    "memstream:segment-first": "dafe8dfd6368",
+    "memstream:verified-quotes": "52801cb61e2f",
+}
 
 
 @dataclass(frozen=True)
@@ -332,6 +341,14 @@ def previous_results(
     earlier, outcome = read_results(path)
     earlier = {"dtype": DTYPE_BEFORE_IT_WAS_RECORDED, "prompt_lookup_tokens": 0, **earlier}
     differing = [key for key in RESUME_KEYS if earlier.get(key) != metadata[key]]
+    earlier_digests = recorded_template_digests(earlier)
+    reworded = [
+        method
+        for method, digest in metadata["template_digests"].items()
+        if method in earlier.get("methods", []) and earlier_digests.get(method) != digest
+    ]
+    if reworded:
+        differing.append(f"wording of {', '.join(reworded)} (its prompts changed since)")
     if differing:
         raise ValueError(
             f"cannot resume: {path} was made with another {', '.join(differing)}; "
@@ -340,11 +357,21 @@ def previous_results(
     return earlier, outcome
 
 
+def recorded_template_digests(earlier: dict[str, Any]) -> dict[str, str]:
+    """The wording of each memory strategy an earlier run measured."""
+    digests = earlier.get("template_digests", TEMPLATE_DIGESTS_BEFORE_THEY_WERE_RECORDED)
+    return {method: digests[method] for method in earlier.get("methods", []) if method in digests}
+
+
 def resumed_metadata(earlier: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
     """This run's metadata, covering what the earlier runs it continues asked for too."""
     merged = dict(metadata)
     for key in ("tasks", "methods"):
         merged[key] = list(dict.fromkeys([*earlier.get(key, []), *metadata[key]]))
+    merged["template_digests"] = {
+        **recorded_template_digests(earlier),
+        **metadata["template_digests"],
+    }
     lengths = {
         length["label"]: length for length in [*earlier.get("lengths", []), *metadata["lengths"]]
     }
@@ -472,6 +499,11 @@ def run_metadata(request: EvalRequest, spec: EngineSpec) -> dict[str, Any]:
         "tasks": request.tasks,
         "lengths": [asdict(length) for length in request.lengths],
         "methods": [method.name for method in request.methods],
+        "template_digests": {
+            method.name: get_template_set(method.template).digest
+            for method in request.methods
+            if method.template is not None
+        },
         "samples_per_task_and_length": request.samples,
         "niah_depths": list(request.depths),
         "time_budget_min": request.time_budget_min,

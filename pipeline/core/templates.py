@@ -5,6 +5,7 @@ The reference set is an interface the RL-MemAgent weights expect, byte for byte.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -77,6 +78,14 @@ class TemplateSet:
         if self.memory_policy not in MEMORY_POLICIES:
             known = ", ".join(MEMORY_POLICIES)
             raise ValueError(f"memory_policy must be one of {known}: {self.memory_policy!r}")
+
+    @property
+    def digest(self) -> str:
+        """Names the wording as well as the strategy: a chain or an eval cell made with other
+        prompts under the same name is never resumed as this one's."""
+        parts = (self.update, self.final, self.initial_memory, self.memory_policy)
+        text = "\x00".join((*parts, str(self.memory_holds_replies)))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     def render_update(self, question: str, memory: str, chunk: str) -> str:
         return self.update.format(
