@@ -352,6 +352,25 @@ def test_a_list_answer_is_grounded_when_each_of_its_items_is():
     assert "items it lists" not in find_evidence(question, title, "", CONTRACT_SEGMENTS).reason
 
 
+def test_a_list_answer_with_commas_is_grounded_when_each_of_its_items_is():
+    filler = "The weather was mild and the harbour quiet that spring. " * 30
+    needles = [f"One of the special magic numbers for lunar-island is: {n}." for n in NUMBERS]
+    text = filler + needles[0] + " " + filler + needles[1] + " " + filler + needles[2]
+    segments = make_segments(text, 600)
+    question = "What are all the special magic numbers for lunar-island mentioned in the text?"
+    listed = ", ".join(NUMBERS)  # no phrase of the text: each number stands in its own sentence
+    grounding = find_evidence(question, listed, "\n".join(needles), segments)
+    assert grounding.grounded, grounding.reason
+    assert [item.quote for item in answer_items(grounding)] == list(NUMBERS)
+    assert_exact(grounding, text)
+    one_invented = find_evidence(question, f"{NUMBERS[0]}, 9999999", "", segments)
+    assert not one_invented.grounded
+    assert "'9999999' is not grounded" in one_invented.reason
+
+
+NUMBERS = ("6139624", "5384037", "8361206")
+
+
 def test_offsets_stay_exact_when_lower_casing_changes_length():
     parts = [
         "İstanbul İzmir office. " * 20,

@@ -113,6 +113,9 @@ _YES_NO = frozenset({"yes", "no", "true", "false"})
 # and would keep a verbatim answer from matching its source line or the memory's copy of it.
 _LEAD_IN = re.compile(r"^\s*that\s+", re.IGNORECASE)
 _LIST_SEPARATOR = re.compile(r"\s*;\s*|,?\s+(?:and|&)\s+")
+# Tried after the separators above: "6139624, 5384037, 8361206". Not first, since a comma also
+# sits inside one item ("Photronics, Inc. and Dai Nippon"), which the split above keeps whole.
+_LIST_SEPARATOR_WITH_COMMAS = re.compile(_LIST_SEPARATOR.pattern + r"|,\s+")
 _PAGE = "\x00page"
 
 
@@ -196,8 +199,15 @@ def find_evidence(
     terms = _question_terms(question)
     memory = _memory_matches(final_memory, corpus, min_score, words, terms)
     matches, grounded, reason = _ground(answer, words, terms, corpus, memory, max(max_items, 1))
-    if not grounded and len(items := _list_items(answer or "")) > 1:
-        matches, grounded, reason = _ground_items(items, terms, corpus, memory, reason)
+    whole_reason, list_reason, tried = reason, None, list[str]()
+    for separator in (_LIST_SEPARATOR, _LIST_SEPARATOR_WITH_COMMAS):
+        items = _list_items(answer or "", separator)
+        if grounded or len(items) < 2 or items == tried:
+            continue
+        matches, grounded, reason = _ground_items(items, terms, corpus, memory, whole_reason)
+        list_reason, tried = list_reason or reason, items  # a refusal names the first list tried
+    if not grounded and list_reason:
+        reason = list_reason
     evidence = [corpus.evidence(m, "answer", page_starts) for m in matches]
     if grounded:
         reason = _with_pages(reason, evidence)
@@ -233,10 +243,11 @@ def _with_pages(reason: str, answer_evidence: Sequence[Evidence]) -> str:
     return pieces[0] + "".join(page + piece for page, piece in zip(pages, pieces[1:], strict=False))
 
 
-def _list_items(answer: str) -> list[str]:
-    """The items of an answer that lists several ("A and B", "A; B"), each with words; only a
-    lower-case "and" separates, so a title such as "SERVICES AND HOSTING AGREEMENT" stays whole."""
-    items = (item.strip(" \t\n()[]\"'.,") for item in _LIST_SEPARATOR.split(answer))
+def _list_items(answer: str, separator: re.Pattern[str]) -> list[str]:
+    """The items of an answer that lists several ("A and B", "A; B", "A, B"), each with words;
+    only a lower-case "and" separates, so a title such as "SERVICES AND HOSTING AGREEMENT" stays
+    whole."""
+    items = (item.strip(" \t\n()[]\"'.,") for item in separator.split(answer))
     return [item for item in items if _words(item)]
 
 

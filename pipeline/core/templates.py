@@ -207,7 +207,7 @@ QUOTES_UPDATE = """Here is a section of a long document, then a problem. Copy fr
 Sentences of the section that help, copied word for word:
 """  # noqa: E501, W291
 
-QUOTES_FINAL = """You are presented with a problem and sentences quoted from a document. Please answer the problem based on the quoted sentences and format your response as follows "Therefore, the answer is (insert answer here)". If the quotes do not answer it, say "Therefore, the answer is not in the document".
+QUOTES_FINAL = """You are presented with a problem and sentences quoted from a document. Please answer the problem based on the quoted sentences and format your response as follows "Therefore, the answer is (insert answer here)". If the quotes do not answer it, say "Therefore, the answer is not in the document". When the problem asks for all of something, list every one the quotes give.
 
 <problem> 
 {question}
