@@ -8,16 +8,24 @@ corpus is answered, one run after the other in one process, never two engines at
    each request carries its chain's document tokens still to read as its vLLM priority;
 2. the ceiling: every request of run 1 replayed at once on the same engine, as if no step
    waited for the one before (greedy decoding makes it the same work);
-3. the runner again, in source order (`longest_first=False`);
+3. the runner again, in source order (`longest_first=False`), and in that order reversed: a
+   drawn order can put the longest document anywhere (the pinned one puts it second), and an
+   archive whose big files sort last is the case longest-first is for;
 4. the Ray Data job (`pipeline.job.run_job`) on a fresh local Ray session: one memory actor,
-   longest-first, every document in flight at once, checkpoints in SQLite, Parquet export.
+   longest-first, every document in flight at once, checkpoints in SQLite, Parquet export;
+5. the longest chain alone: a schedule's makespan can be no shorter, and the runner's, set
+   beside it and the ceiling, says how much the other chains slow it down.
 
-Runs 1-3 share one engine, started and warmed up before them (start-up excluded) and with its
+At most `--max-active-chains` chains read at once (256: the whole corpus); fewer make the
+order in which chains are admitted matter, as it does in an archive larger than the window.
+
+Runs 1-3 and 5 share one engine, started and warmed up before them (start-up excluded) and with its
 prefix cache reset before each run. The job's end-to-end figure includes Ray and engine
 start-up; its steady state counts from its first model call to its last (`RunSummary.busy_s`).
 
 Each finished run's figures are kept as it ends, in `bench/results/corpus_efficiency-sittings-
-<full|quick>-<dtype>-step<budget>.json` (committed with the results, so sittings on later days
+<full|quick>-<dtype>-step<budget>.json` (other sizes spelt out; `-active<N>` for
+`--max-active-chains N`; committed with the results, so sittings on later days
 carry over), each with the machine it ran on; the report says so when they differ. Run 1's
 requests, which the ceiling replays, and the generated corpus stay in a work folder under the cache
 (`--work`); a sitting that finds no requests for a ceiling still owed runs run 1 again. `--resume`
@@ -33,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import math
 import os
@@ -68,7 +75,10 @@ TEMPLATE = "segment-first"
 MAX_ACTIVE_CHAINS = 256  # runner and job alike: more than the corpus has chains
 # In this order: the ceiling replays run 1's requests, kept only in the cache, so it follows
 # run 1 in the same sitting where it can.
-IN_PROCESS_RUNS = ("runner_longest_first", "ceiling", "runner_source_order")
+IN_PROCESS_RUNS = (
+    "runner_longest_first", "ceiling", "runner_source_order", "runner_reversed_order",
+    "longest_chain_alone",
+)  # fmt: skip
 KV_CACHE_GIB = 4
 QUESTIONS = (
     "What is this document about, in one sentence?",
@@ -169,12 +179,17 @@ def figures(seconds: float, tokens: int, meter: BusyMeter | None, failed: int) -
 
 
 async def run_runner(
-    engine: VLLMEngine, chains: list[MemoryChain], method: MethodConfig, longest_first: bool
+    engine: VLLMEngine,
+    chains: list[MemoryChain],
+    method: MethodConfig,
+    longest_first: bool,
+    max_active_chains: int,
 ) -> tuple[dict[str, Any], list[GenerationRequest]]:
-    """All chains at once, cold prefix cache; the figures and every request the run sent."""
+    """The chains submitted in the order given, cold prefix cache; the figures and every
+    request the run sent."""
     await engine.reset_prefix_cache()
     meter = BusyMeter(engine)
-    runner = ChainRunner(meter, method.sampling(), MAX_ACTIVE_CHAINS, longest_first=longest_first)
+    runner = ChainRunner(meter, method.sampling(), max_active_chains, longest_first=longest_first)
     started = time.perf_counter()
     results = await runner.run(chains)
     seconds = time.perf_counter() - started
@@ -204,12 +219,14 @@ class Sittings:
 
     def __init__(
         self, record: Path, work: Path, sizes: Sizes, config: VLLMEngineConfig, model: str, *,
-        resume: bool,
+        max_active_chains: int, resume: bool,
     ) -> None:  # fmt: skip
         self._runs_path = record
         self._requests_path = work / "requests.jsonl"
         identity = {"sizes": asdict(sizes), "model": model, "dtype": config.dtype, "seed": SEED,
                     "template": TEMPLATE, "step_budget": step_budget(config)}  # fmt: skip
+        if max_active_chains != MAX_ACTIVE_CHAINS:  # sittings from before the option stay valid
+            identity["max_active_chains"] = max_active_chains
         kept = json.loads(record.read_text()) if record.exists() else None
         if resume and kept and kept["identity"] == identity:
             self.runs: dict[str, Any] = kept["runs"]
@@ -246,8 +263,9 @@ async def run_in_process(
     chains: Callable[[], list[MemoryChain]],
     method: MethodConfig,
     sittings: Sittings,
+    max_active_chains: int,
 ) -> None:
-    """Runs 1-3, those not finished in an earlier sitting, on one engine."""
+    """Runs 1-3 and 5, those not finished in an earlier sitting, on one engine."""
     if all(sittings.done(name) for name in IN_PROCESS_RUNS):
         return
     started = time.perf_counter()
@@ -257,7 +275,9 @@ async def run_in_process(
         if not sittings.done("engine_startup_s"):
             sittings.keep("engine_startup_s", startup_s)
         if not sittings.done("runner_longest_first"):
-            longest, requests = await run_runner(engine, chains(), method, longest_first=True)
+            longest, requests = await run_runner(
+                engine, chains(), method, longest_first=True, max_active_chains=max_active_chains
+            )
             sittings.keep_requests(requests)
             sittings.keep("runner_longest_first", longest)
             print(f"1. runner, longest-first: {longest['seconds']:.1f} s", flush=True)
@@ -266,9 +286,25 @@ async def run_in_process(
             sittings.keep("ceiling", ceiling)
             print(f"2. ceiling: {ceiling['seconds']:.1f} s", flush=True)
         if not sittings.done("runner_source_order"):
-            source, _ = await run_runner(engine, chains(), method, longest_first=False)
+            source, _ = await run_runner(
+                engine, chains(), method, longest_first=False, max_active_chains=max_active_chains
+            )
             sittings.keep("runner_source_order", source)
             print(f"3. runner, source order: {source['seconds']:.1f} s", flush=True)
+        if not sittings.done("runner_reversed_order"):
+            reversed_order, _ = await run_runner(
+                engine, chains()[::-1], method, longest_first=False,
+                max_active_chains=max_active_chains,
+            )  # fmt: skip
+            sittings.keep("runner_reversed_order", reversed_order)
+            print(f"3. runner, reversed order: {reversed_order['seconds']:.1f} s", flush=True)
+        if not sittings.done("longest_chain_alone"):
+            longest_chain = max(chains(), key=lambda chain: len(chain.segments))
+            alone, _ = await run_runner(
+                engine, [longest_chain], method, longest_first=True, max_active_chains=1
+            )
+            sittings.keep("longest_chain_alone", alone)
+            print(f"5. the longest chain alone: {alone['seconds']:.1f} s", flush=True)
 
 
 # --- run 4: the Ray Data job ------------------------------------------------------------------
@@ -280,6 +316,7 @@ def run_ray_job(
     method: MethodConfig,
     folder: Path,
     model: str,
+    max_active_chains: int,
 ) -> dict[str, Any]:
     for stale in (folder / "output", folder / "state.sqlite"):  # a stopped attempt's
         if stale.is_dir():
@@ -296,7 +333,7 @@ def run_ray_job(
         "method": method.as_dict(),
         "concurrency": {"actors": 1, "schedule": "longest-first",
                         "batches_in_flight": max(32, len(corpus)),
-                        "max_active_chains": MAX_ACTIVE_CHAINS},
+                        "max_active_chains": max_active_chains},
         "ray_address": "local",  # a fresh local session, started and stopped inside the timing
     })  # fmt: skip
     summary: RunSummary = run_job(spec)
@@ -348,14 +385,24 @@ def step_budget(config: VLLMEngineConfig) -> int:
     return told or SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
-def sizes_label(sizes: Sizes, model: str, dtype: str, budget: int) -> str:
-    """The sittings' name: full-<dtype>-step<budget> or quick-..., for the pinned sizes and model,
-    else a key of them all."""
-    label = {FULL: "full", QUICK: "quick"}.get(sizes)
-    if label and model == common.DEFAULT_MODEL:
-        return f"{label}-{dtype}-step{budget}"
-    key = [asdict(sizes), model, dtype, budget, SEED]
-    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
+def sizes_label(sizes: Sizes, model: str, dtype: str, budget: int, max_active_chains: int) -> str:
+    """The sittings' name: full-<dtype>-step<budget>[-active<N>] or quick-..., for the pinned
+    sizes, else the sizes spelt out; the model's name when it is not the default."""
+    active = "" if max_active_chains == MAX_ACTIVE_CHAINS else f"-active{max_active_chains}"
+    label = {FULL: "full", QUICK: "quick"}.get(sizes) or (
+        f"{sizes.documents}docs-{sizes.min_tokens}-{sizes.max_tokens}-chunk{sizes.chunk_size}"
+        f"-memory{sizes.max_memory_tokens}"
+    )
+    named = "" if model == common.DEFAULT_MODEL else f"-{Path(model).name}"
+    return f"{label}{named}-{dtype}-step{budget}{active}"
+
+
+def results_name(label: str, dtype: str) -> str:
+    """The report's name: `corpus_efficiency` for the pinned full size at vLLM's step budget with
+    every chain at once (the README's table), `corpus_efficiency-<label>` for any other."""
+    return (
+        "corpus_efficiency" if label == f"full-{dtype}-step2048" else f"corpus_efficiency-{label}"
+    )
 
 
 def default_work_folder(label: str) -> Path:
@@ -378,6 +425,7 @@ def report(
     job: dict[str, Any],
 ) -> tuple[str, dict[str, float]]:
     longest, source = runs["runner_longest_first"], runs["runner_source_order"]
+    reversed_order, alone = runs["runner_reversed_order"], runs["longest_chain_alone"]
     ceiling, steady, end_to_end = runs["ceiling"], job["steady"], job["end_to_end"]
     ratios = {
         "runner_longest_first_of_ceiling": longest["tokens_per_s"] / ceiling["tokens_per_s"],
@@ -385,6 +433,12 @@ def report(
         "job_steady_of_runner": steady["tokens_per_s"] / longest["tokens_per_s"],
         "job_end_to_end_of_runner": end_to_end["tokens_per_s"] / longest["tokens_per_s"],
         "source_order_over_longest_first_makespan": source["seconds"] / longest["seconds"],
+        "reversed_order_over_longest_first_makespan": (
+            reversed_order["seconds"] / longest["seconds"]
+        ),
+        "runner_over_alone_plus_ceiling": (
+            longest["seconds"] / (alone["seconds"] + ceiling["seconds"])
+        ),
     }
 
     def row(name: str, r: dict[str, Any]) -> tuple[object, ...]:
@@ -400,10 +454,18 @@ def report(
         [row("1. runner in process, longest-first", longest),
          row("2. ceiling: run 1's requests replayed at once", ceiling),
          row("3. runner in process, source order", source),
+         row("3. runner in process, source order reversed", reversed_order),
          row("4. Ray job, end to end", end_to_end),
-         row("4. Ray job, steady state", steady)],
+         row("4. Ray job, steady state", steady),
+         row("5. the longest chain alone", alone)],
     )  # fmt: skip
-    makespan = ratios["source_order_over_longest_first_makespan"]
+
+    def order_row(name: str, key: str) -> tuple[object, ...]:
+        makespan = ratios[key]
+        sooner = "longest-first sooner" if makespan > 1 else "**longest-first not sooner**"
+        return (f"{name} / longest-first makespan", f"{makespan:.2f}",
+                "- (above 1: longest-first finished sooner)", sooner)  # fmt: skip
+
     ratios_table = common.table(
         ["ratio", "value", "target", "verdict"],
         [("runner longest-first / ceiling tokens/s",
@@ -417,9 +479,11 @@ def report(
          ("job end to end / runner longest-first tokens/s",
           f"{ratios['job_end_to_end_of_runner']:.2f}", f">= {JOB_END_TO_END_TARGET:.2f}",
           verdict(ratios["job_end_to_end_of_runner"], JOB_END_TO_END_TARGET)),
-         ("source order / longest-first makespan", f"{makespan:.2f}",
-          "- (above 1: longest-first finished sooner)",
-          "longest-first sooner" if makespan > 1 else "**longest-first not sooner**")],
+         order_row("source order", "source_order_over_longest_first_makespan"),
+         order_row("source order reversed", "reversed_order_over_longest_first_makespan"),
+         ("runner longest-first makespan / (longest chain alone + ceiling)",
+          f"{ratios['runner_over_alone_plus_ceiling']:.2f}",
+          "- (near 1: the longest chain gained nothing from sharing the engine)", "-")],
     )  # fmt: skip
     lengths = sorted(document.n_tokens for document in corpus)
     cpu = machine["cpu"]
@@ -440,11 +504,12 @@ def report(
             f"quarter, with the other chains, and {chain['mean_step_s_last_quarter']:.1f} s in "
             "its last, nearly alone."
         )
-    if any(r["failed_chains"] for r in (longest, source, end_to_end)) or job["documents_failed"]:
+    in_process = (longest, source, reversed_order, alone)
+    if any(r["failed_chains"] for r in (*in_process, end_to_end)) or job["documents_failed"]:
         notes.append("**Some chains or documents failed: the figures are not comparable.**")
     if abs(end_to_end["tokens"] - longest["tokens"]) > 0.01 * longest["tokens"]:
         notes.append("**The job and the runner processed token counts more than 1% apart.**")
-    machines = {r["machine"] for r in (longest, source, ceiling, end_to_end)}
+    machines = {r["machine"] for r in (*in_process, ceiling, end_to_end)}
     if len(machines) > 1:
         notes.append(
             f"**The runs were made on different machines: {'; '.join(sorted(machines))}.**"
@@ -460,7 +525,8 @@ def report(
         f"{SEED}: min {lengths[0]:,}, median {statistics.median(lengths):,.0f}, max "
         f"{lengths[-1]:,}, total {sum(lengths):,}), {n_chains} chains (1-3 questions each), "
         f"{TEMPLATE}, chunk {args.chunk_size}, memory {args.max_memory_tokens}, answers 32 "
-        f"tokens, greedy, eager, up to {MAX_ACTIVE_CHAINS} chains at once, one engine at a time",
+        f"tokens, greedy, eager, up to {args.max_active_chains} chains at once, one engine at a "
+        "time",
         "",
         f"CPU: {cpu['model']} ({cpu['architecture']}, {cpu['cores']} cores usable); "
         f"{flags}; "
@@ -487,6 +553,10 @@ def main() -> None:
         "--resume", action="store_true", help="skip the runs an earlier sitting finished"
     )
     parser.add_argument(
+        "--max-active-chains", type=int, default=MAX_ACTIVE_CHAINS,
+        help=f"the most chains reading at once, runner and job alike (default {MAX_ACTIVE_CHAINS})",
+    )  # fmt: skip
+    parser.add_argument(
         "--step-budget", type=int, help="the most prompt tokens an engine step takes (default: "
         "vLLM's, 2048)",
     )  # fmt: skip
@@ -508,20 +578,25 @@ def main() -> None:
     config = common.engine_config(args, KV_CACHE_GIB)
     config = replace(config, max_num_batched_tokens=args.step_budget)
     tokenizer = common.load_tokenizer(config)
-    label = sizes_label(sizes, args.model, config.dtype, step_budget(config))
+    active = args.max_active_chains
+    label = sizes_label(sizes, args.model, config.dtype, step_budget(config), active)
     work = args.work or default_work_folder(label)
     record = common.RESULTS / f"corpus_efficiency-sittings-{label}.json"
-    sittings = Sittings(record, work, sizes, config, args.model, resume=args.resume)
+    sittings = Sittings(
+        record, work, sizes, config, args.model, max_active_chains=active, resume=args.resume
+    )
     if sittings.runs:
         print(f"resuming from {record}: done {', '.join(sittings.runs)}", flush=True)
     corpus = write_corpus(work / "corpus", sizes, tokenizer)
     n_chains = sum(len(document.questions) for document in corpus)
     print(f"{len(corpus)} documents, {n_chains} chains, dtype {config.dtype}", flush=True)
     asyncio.run(
-        run_in_process(config, lambda: build_chains(corpus, tokenizer, method), method, sittings)
+        run_in_process(
+            config, lambda: build_chains(corpus, tokenizer, method), method, sittings, active
+        )
     )
     if not sittings.done("job"):
-        sittings.keep("job", run_ray_job(config, corpus, method, work, args.model))
+        sittings.keep("job", run_ray_job(config, corpus, method, work, args.model, active))
         print(f"4. job: {sittings.runs['job']['end_to_end']['seconds']:.1f} s", flush=True)
     job = sittings.runs["job"]
     if "longest_chain" not in job and (work / "output").is_dir():  # a job of an older version
@@ -530,9 +605,9 @@ def main() -> None:
     runs = {name: sittings.runs[name] for name in ("engine_startup_s", *IN_PROCESS_RUNS)}
     markdown, ratios = report(args, corpus, n_chains, machine, runs, job)
     common.write_results(
-        "corpus_efficiency",
+        results_name(label, config.dtype),
         {"args": {**vars(args), "work": str(work)}, "seed": SEED, "template": TEMPLATE,
-         "max_active_chains": MAX_ACTIVE_CHAINS, "kv_cache_gib": KV_CACHE_GIB,
+         "max_active_chains": active, "kv_cache_gib": KV_CACHE_GIB,
          "cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"], "dtype": machine["dtype"],
          "versions": machine["versions"],
          "documents": [{"name": d.path.name, "tokens": d.n_tokens, "questions": list(d.questions)}

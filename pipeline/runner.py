@@ -2,9 +2,10 @@
 
 Each chain submits its next step as soon as its previous step returns, so the engine batches
 everyone's steps together and a long document never holds short ones back. Longest first: a
-chain's requests carry its document tokens still to read as their priority, and waiting chains
-take free slots in the same order, so the chain on the critical path never queues behind short
-ones and the run's tail is short. `longest_first=False` keeps the order of arrival.
+chain's requests carry its document tokens still to read as their priority, and chains take
+slots in the same order (the first free ones too, for chains given together to `run`), so the
+chain on the critical path never queues behind short ones and the run's tail is short.
+`longest_first=False` keeps the order of arrival.
 """
 
 from __future__ import annotations
@@ -57,7 +58,15 @@ class ChainRunner:
     async def run(
         self, chains: Iterable[MemoryChain], on_step: StepCallback | None = None
     ) -> list[ChainResult]:
-        return await asyncio.gather(*(self.run_chain(chain, on_step) for chain in chains))
+        """Runs every chain; results in the order given. Longest first, the chains also ask for
+        a slot in that order, so the first free slots go to the longest, not the first listed."""
+        chains = list(chains)
+        order = list(range(len(chains)))
+        if self.longest_first:
+            order.sort(key=lambda i: -chains[i].tokens_left)  # stable: ties keep their order
+        results = await asyncio.gather(*(self.run_chain(chains[i], on_step) for i in order))
+        by_index = dict(zip(order, results, strict=True))
+        return [by_index[i] for i in range(len(chains))]
 
     async def run_chain(
         self, chain: MemoryChain, on_step: StepCallback | None = None

@@ -105,7 +105,7 @@ def test_requests_carry_the_document_tokens_left_so_the_long_chain_goes_first() 
     assert by_chain["short"] == [-50, 0]
 
 
-def test_with_one_slot_the_longest_waiting_chain_starts_next_unless_source_order() -> None:
+def test_with_one_slot_the_longest_chain_starts_first_unless_source_order() -> None:
     config = ChainConfig(max_memory_tokens=8, max_answer_tokens=8)
 
     def chains() -> list[MemoryChain]:
@@ -121,5 +121,7 @@ def test_with_one_slot_the_longest_waiting_chain_starts_next_unless_source_order
         asyncio.run(runner.run(chains()))
         return list(dict.fromkeys(chain_id for chain_id, _ in engine.served))
 
-    assert order(longest_first=True) == ["first", "big", "medium", "small"]
+    assert order(longest_first=True) == ["big", "medium", "small", "first"]
     assert order(longest_first=False) == ["first", "small", "big", "medium"]
+    results = asyncio.run(ChainRunner(RecordingEngine(), max_active_chains=1).run(chains()))
+    assert [result.chain_id for result in results] == ["first", "small", "big", "medium"]
