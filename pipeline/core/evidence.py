@@ -199,20 +199,35 @@ def find_evidence(
     terms = _question_terms(question)
     memory = _memory_matches(final_memory, corpus, min_score, words, terms)
     matches, grounded, reason = _ground(answer, words, terms, corpus, memory, max(max_items, 1))
-    whole_reason, list_reason, tried = reason, None, list[str]()
-    for separator in (_LIST_SEPARATOR, _LIST_SEPARATOR_WITH_COMMAS):
-        items = _list_items(answer or "", separator)
-        if grounded or len(items) < 2 or items == tried:
-            continue
-        matches, grounded, reason = _ground_items(items, terms, corpus, memory, whole_reason)
-        list_reason, tried = list_reason or reason, items  # a refusal names the first list tried
-    if not grounded and list_reason:
-        reason = list_reason
+    if not grounded and (as_list := _ground_list(answer or "", terms, corpus, memory, reason)):
+        matches, grounded, reason = as_list
     evidence = [corpus.evidence(m, "answer", page_starts) for m in matches]
     if grounded:
         reason = _with_pages(reason, evidence)
     evidence += [corpus.evidence(m.match, "memory", page_starts) for m in memory]
     return Grounding(tuple(evidence[:max_items]), grounded, reason)
+
+
+def _ground_list(
+    answer: str,
+    terms: list[str],
+    corpus: _Corpus,
+    memory: list[_MemoryMatch],
+    whole_reason: str,
+) -> tuple[list[_Match], bool, str] | None:
+    """An answer not grounded whole, read as a list: split at "and" and ";" first, then at
+    commas too (a comma also sits inside one item: "Photronics, Inc."). None when it lists
+    fewer than two items either way; a refusal names the first split tried."""
+    first_refusal, tried = None, list[str]()
+    for separator in (_LIST_SEPARATOR, _LIST_SEPARATOR_WITH_COMMAS):
+        items = _list_items(answer, separator)
+        if len(items) < 2 or items == tried:
+            continue
+        outcome = _ground_items(items, terms, corpus, memory, whole_reason)
+        if outcome[1]:
+            return outcome
+        first_refusal, tried = first_refusal or outcome, items
+    return first_refusal
 
 
 def _ground_items(
