@@ -73,11 +73,39 @@ from pipeline.runner import ChainRunner
 SEED = 20240611  # the corpus: document lengths and questions
 TEMPLATE = "segment-first"
 MAX_ACTIVE_CHAINS = 256  # runner and job alike: more than the corpus has chains
+
+
+@dataclass(frozen=True)
+class RunnerVariant:
+    """A run of the runner after run 1 and the ceiling: which chains, in which order."""
+
+    name: str
+    label: str
+    pick: Callable[[list[MemoryChain]], list[MemoryChain]]
+    longest_first: bool
+    alone: bool = False  # one chain at a time
+
+
+RUNNER_VARIANTS = (
+    RunnerVariant("runner_source_order", "3. runner, source order", list, longest_first=False),
+    RunnerVariant(
+        "runner_reversed_order",
+        "3. runner, reversed order",
+        lambda cs: cs[::-1],
+        longest_first=False,
+    ),
+    RunnerVariant(
+        "longest_chain_alone",
+        "5. the longest chain alone",
+        lambda cs: [max(cs, key=lambda chain: len(chain.segments))],
+        longest_first=True,
+        alone=True,
+    ),
+)
 # In this order: the ceiling replays run 1's requests, kept only in the cache, so it follows
 # run 1 in the same sitting where it can.
 IN_PROCESS_RUNS = (
-    "runner_longest_first", "ceiling", "runner_source_order", "runner_reversed_order",
-    "longest_chain_alone",
+    "runner_longest_first", "ceiling", *(variant.name for variant in RUNNER_VARIANTS),
 )  # fmt: skip
 KV_CACHE_GIB = 4
 QUESTIONS = (
@@ -285,26 +313,17 @@ async def run_in_process(
             ceiling = await replay_at_once(engine, sittings.requests(method.sampling()))
             sittings.keep("ceiling", ceiling)
             print(f"2. ceiling: {ceiling['seconds']:.1f} s", flush=True)
-        if not sittings.done("runner_source_order"):
-            source, _ = await run_runner(
-                engine, chains(), method, longest_first=False, max_active_chains=max_active_chains
-            )
-            sittings.keep("runner_source_order", source)
-            print(f"3. runner, source order: {source['seconds']:.1f} s", flush=True)
-        if not sittings.done("runner_reversed_order"):
-            reversed_order, _ = await run_runner(
-                engine, chains()[::-1], method, longest_first=False,
-                max_active_chains=max_active_chains,
-            )  # fmt: skip
-            sittings.keep("runner_reversed_order", reversed_order)
-            print(f"3. runner, reversed order: {reversed_order['seconds']:.1f} s", flush=True)
-        if not sittings.done("longest_chain_alone"):
-            longest_chain = max(chains(), key=lambda chain: len(chain.segments))
-            alone, _ = await run_runner(
-                engine, [longest_chain], method, longest_first=True, max_active_chains=1
-            )
-            sittings.keep("longest_chain_alone", alone)
-            print(f"5. the longest chain alone: {alone['seconds']:.1f} s", flush=True)
+        for variant in RUNNER_VARIANTS:
+            if not sittings.done(variant.name):
+                measured, _ = await run_runner(
+                    engine,
+                    variant.pick(chains()),
+                    method,
+                    longest_first=variant.longest_first,
+                    max_active_chains=1 if variant.alone else max_active_chains,
+                )
+                sittings.keep(variant.name, measured)
+                print(f"{variant.label}: {measured['seconds']:.1f} s", flush=True)
 
 
 # --- run 4: the Ray Data job ------------------------------------------------------------------
