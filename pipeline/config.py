@@ -74,6 +74,26 @@ class MethodConfig:
         the template set's wording."""
         return {**self.as_dict(), "template_digest": get_template_set(self.template).digest}
 
+    @classmethod
+    def from_identity(cls, identity: dict[str, Any]) -> MethodConfig:
+        """The method an `identity()` describes; `TemplateChanged` when its template set's
+        wording is no longer this version's (an identity without a digest is taken as is)."""
+        settings = {key: value for key, value in identity.items() if key != "template_digest"}
+        method = cls(**settings)
+        recorded = identity.get("template_digest")
+        current = get_template_set(method.template).digest
+        if recorded is not None and recorded != current:
+            raise TemplateChanged(
+                f"template set {method.template!r} is worded differently in this version "
+                f"(digest {current}) than when the work began ({recorded}); its chains would mix "
+                "two wordings: submit it again"
+            )
+        return method
+
+
+class TemplateChanged(ValueError):
+    """Work begun under one wording of a template set met another."""
+
 
 MIB = 1 << 20
 

@@ -79,7 +79,7 @@ class ApiServer:
             worker=self.worker,
             metrics=metrics,
             model=settings.engine.model,
-            method=settings.method.as_dict(),
+            method=settings.method.identity(),
             poll_interval_s=settings.jobs.poll_interval_s,
         )
         self.worker.start()

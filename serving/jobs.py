@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from connectors.state.records import ChainState, Checkpoint, JobInput, StepCheckpoint
 from connectors.state.schema import FAILED, SUCCEEDED
 from connectors.state.store import StateStore, StateStoreError
-from pipeline.config import MethodConfig
+from pipeline.config import MethodConfig, TemplateChanged
 from pipeline.core.evidence import Grounding
 from pipeline.engines.base import Completion, Engine, GenerationRequest
 from pipeline.resume import ChainWork, resume_chain
@@ -136,11 +136,15 @@ class JobWorker:
         except StateStoreError as error:
             # Left unfinished: its lease runs out and it resumes from the last checkpoint.
             logger.warning("job %s interrupted: %s", job_id, error)
+        except TemplateChanged as error:  # this server's prompts are not the job's
+            await self._fail(job_id, str(error))
         except Exception as error:
             logger.exception("job %s failed unexpectedly", job_id)
-            message = f"internal error: {type(error).__name__}"
-            with contextlib.suppress(StateStoreError):
-                await asyncio.to_thread(self.store.finish_job, job_id, self.owner, FAILED, message)
+            await self._fail(job_id, f"internal error: {type(error).__name__}")
+
+    async def _fail(self, job_id: str, message: str) -> None:
+        with contextlib.suppress(StateStoreError):
+            await asyncio.to_thread(self.store.finish_job, job_id, self.owner, FAILED, message)
 
 
 class JobRun:
@@ -151,7 +155,7 @@ class JobRun:
         self.store = worker.store
         self.owner = worker.owner
         self.job = job
-        self.method = MethodConfig(**job.method)
+        self.method = MethodConfig.from_identity(job.method)
 
     async def run(self) -> None:
         job = self.job

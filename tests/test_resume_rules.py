@@ -29,7 +29,7 @@ from operators.run import Question, RunContext
 from operators.segment import SegmentStage
 from pipeline.config import MethodConfig
 from pipeline.core.document import Document, documents_table
-from pipeline.core.templates import INITIAL_MEMORY
+from pipeline.core.templates import INITIAL_MEMORY, TEMPLATE_SETS, get_template_set
 from pipeline.engines.base import GenerationRequest
 from pipeline.engines.factory import EngineSpec
 from serving.answering import DocumentPreparer
@@ -313,7 +313,8 @@ def job_store(jobs_url: str) -> Iterator[StateStore]:
 
 
 def new_job(store: StateStore, *questions: str) -> str:
-    job = NewJob("facts.txt", "upload:facts.txt", questions, METHOD.as_dict(), data=RECORD.encode())
+    method = METHOD.identity()  # as serving.app.ApiServer records it
+    job = NewJob("facts.txt", "upload:facts.txt", questions, method, data=RECORD.encode())
     return store.create_job(job)
 
 
@@ -435,6 +436,32 @@ def test_a_chain_that_fails_by_itself_fails_its_job_for_good(
         (job_chain_key(job_id, 0), 0),
         (job_chain_key(job_id, 0), 1),
     ]
+    assert end_events(job_store, job_id) == ["failed"]
+
+
+def test_a_job_begun_under_other_prompts_fails_saying_so_and_runs_no_further_step(
+    job_store: StateStore, jobs_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job_id = new_job(job_store, QUESTION)
+    dying = Replica(job_store, crash_on(2))
+    assert dying.claim(lease_s=-1) == [job_id]
+    with pytest.raises(EngineCrash):
+        dying.run(job_id)
+    before = steps_written(jobs_url)
+    templates = get_template_set(METHOD.template)
+    reworded = replace(templates, update=templates.update.replace("Please", "Kindly"))
+    assert reworded.digest != templates.digest
+    monkeypatch.setitem(TEMPLATE_SETS, METHOD.template, reworded)  # the server was upgraded
+
+    upgraded = Replica(job_store, FactEngine())
+    assert upgraded.claim() == [job_id]
+    asyncio.run(upgraded.worker._run(job_id))
+    job = job_store.get_job(job_id)
+    assert job is not None and job.status == "failed" and job.finished
+    assert job.error is not None
+    assert f"{templates.digest}" in job.error and "submit it again" in job.error
+    assert upgraded.engine.request_ids == []
+    assert steps_written(jobs_url) == before
     assert end_events(job_store, job_id) == ["failed"]
 
 
