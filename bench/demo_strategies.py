@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/demo_strategies.py MODEL SCALE TEMPLATE[,TEMPLATE...] [CHUNK_SIZE]
 e.g. `qwen2.5-coder-0.5b-instruct 0.25 memagent-reference,append-evidence` (the README's table).
+Results: bench/results/demo_strategies-MODEL-scaleSCALE-chunkCHUNK_SIZE.{json,md}, with the CPU
+and the dtype.
 """
 
 from __future__ import annotations
@@ -9,9 +11,13 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from typing import Any
+
+import common
 
 from pipeline import democorpus
 from pipeline.ask import DocumentInput, answer, prepare
+from pipeline.cli.env import collect
 from pipeline.config import MethodConfig
 from pipeline.core.extraction import string_match_any
 from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
@@ -20,6 +26,7 @@ from pipeline.runner import ChainRunner
 
 async def main(model: str, scale: float, templates: list[str], chunk_size: int) -> None:
     spec = EngineSpec(model=model, enforce_eager=True, cpu_kvcache_space_gib=3, max_model_len=8192)
+    spec = spec.resolved()
     engine, tokenizer = open_engine(spec), load_tokenizer(spec)
     documents = democorpus.generate(scale=scale)
     prepared, origins = [], []
@@ -55,15 +62,38 @@ async def main(model: str, scale: float, templates: list[str], chunk_size: int) 
             print(template, document.name, ready.n_tokens, fact.answer, "->",
                   repr(result.answer), f"[{mark}]")  # fmt: skip
     steps = sum(len(ready.segments) + 1 for ready in prepared for _ in ready.chains)
+    rows: list[dict[str, Any]] = []
     for template, hits in found.items():
         marks = grounded.get(template, [])
-        n_grounded = sum(is_grounded for is_grounded, _ in marks)
-        right = sum(correct for is_grounded, correct in marks if is_grounded)
-        print(f"{model} {template}: {sum(hits)}/{len(hits)} found, "
-              f"{formatted[template]}/{len(hits)} in the answer format, "
-              f"{n_grounded} grounded ({right} of them right)")  # fmt: skip
-    print(f"chunk size {chunk_size}")
-    print(f"{steps} model calls in {elapsed:.0f} s ({elapsed / steps:.1f} s per call)")
+        rows.append({
+            "template": template,
+            "found": sum(hits),
+            "facts": len(hits),
+            "answer_format": formatted[template],
+            "grounded": sum(is_grounded for is_grounded, _ in marks),
+            "right_among_grounded": sum(c for is_grounded, c in marks if is_grounded),
+            "right_among_ungrounded": sum(c for is_grounded, c in marks if not is_grounded),
+        })  # fmt: skip
+    cpu = collect()["cpu"]
+    markdown = "\n".join([
+        f"Demo corpus facts, {model}, scale {scale} "
+        f"({', '.join(f'{d.n_tokens:,}' for d in prepared[: len(documents)])} tokens), chunk "
+        f"{chunk_size}, memory 256, answer 64, greedy, dtype {spec.dtype}; {cpu['model']}, "
+        f"{cpu['cores']} cores; {steps} model calls in {elapsed:.0f} s "
+        f"({elapsed / steps:.1f} s per call), every template's chains at once",
+        "",
+        *common.table(
+            ["template", "found", "in the answer format", "grounded", "right among grounded",
+             "right among not grounded"],
+            [(r["template"], f"{r['found']}/{r['facts']}", r["answer_format"], r["grounded"],
+              r["right_among_grounded"], r["right_among_ungrounded"]) for r in rows],
+        ),
+    ])  # fmt: skip
+    payload = {"model": model, "scale": scale, "chunk_size": chunk_size, "dtype": spec.dtype,
+               "cpu": cpu, "model_calls": steps, "seconds": elapsed, "rows": rows}  # fmt: skip
+    common.write_results(
+        f"demo_strategies-{model}-scale{scale:g}-chunk{chunk_size}", payload, markdown
+    )
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from pipeline.evaluation.report import (
     ACCURACY_PLOT,
     RESULTS_JSON,
     RESULTS_MARKDOWN,
+    GroundingStats,
     read_results,
     render_markdown,
     write_outputs,
@@ -408,6 +409,19 @@ def test_grounding_table_compares_how_often_grounded_and_ungrounded_answers_are_
     text = render_markdown({"model": "m"}, SuiteOutcome(predictions=rows))
     # grounded: 2 of 3 right (wrong 1/3); ungrounded: 1 of 3 right (wrong 2/3): twice as often
     assert "| hotpotqa | direct | 6 | 3 | 0.67 | 0.33 | 2.0 |" in text
+
+
+def test_wrong_rate_ratio_needs_both_kinds_of_answer_and_is_inf_when_grounded_never_err() -> None:
+    def graded(accuracy: float, grounded: float) -> Prediction:
+        row = prediction("direct", accuracy)
+        return replace(row, scores={**row.scores, "answered": 1.0, "grounded": grounded})
+
+    all_grounded = GroundingStats.of([graded(1.0, 1.0), graded(0.0, 1.0)])
+    assert (all_grounded.answered, all_grounded.grounded) == (2, 2)
+    assert all_grounded.wrong_rate_ratio == "n/a"
+    assert all_grounded.accuracies() == ("0.50", "n/a")
+    never_wrong = GroundingStats.of([graded(1.0, 1.0), graded(0.5, 0.0)])
+    assert never_wrong.wrong_rate_ratio == "inf"
 
 
 def test_cost_table_divides_each_configurations_wall_time_by_its_model_calls(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +115,53 @@ def _accuracy_table(predictions: Sequence[Prediction], methods: Sequence[str]) -
     return lines
 
 
+@dataclass(frozen=True)
+class GroundingStats:
+    """Over the answers given: how many are grounded, and how often a grounded and an
+    ungrounded answer is right. The flag is worth something when ungrounded answers are wrong
+    much more often than grounded ones (`wrong_rate_ratio`)."""
+
+    answered: int
+    grounded: int
+    accuracy_grounded: float | None
+    accuracy_ungrounded: float | None
+
+    @classmethod
+    def of(cls, predictions: Sequence[Prediction]) -> GroundingStats:
+        members = [
+            p
+            for p in predictions
+            if p.status == "ok" and p.scores.get("answered") and "grounded" in p.scores
+        ]
+        grounded = [p.scores["accuracy"] for p in members if p.scores["grounded"]]
+        ungrounded = [p.scores["accuracy"] for p in members if not p.scores["grounded"]]
+        return cls(
+            len(members),
+            len(grounded),
+            _mean(grounded) if grounded else None,
+            _mean(ungrounded) if ungrounded else None,
+        )
+
+    @property
+    def wrong_rate_ratio(self) -> str:
+        """How many times more often an ungrounded answer is wrong: "n/a" without both kinds,
+        "inf" when every grounded answer is right."""
+        if self.accuracy_grounded is None or self.accuracy_ungrounded is None:
+            return "n/a"
+        wrong_grounded = 1 - self.accuracy_grounded
+        wrong_ungrounded = 1 - self.accuracy_ungrounded
+        return f"{wrong_ungrounded / wrong_grounded:.1f}" if wrong_grounded else "inf"
+
+    def accuracies(self) -> tuple[str, str]:
+        """The accuracy of grounded and of ungrounded answers, as table cells."""
+        grounded, ungrounded = self.accuracy_grounded, self.accuracy_ungrounded
+        return (
+            "n/a" if grounded is None else f"{grounded:.2f}",
+            "n/a" if ungrounded is None else f"{ungrounded:.2f}",
+        )
+
+
 def _grounding_table(predictions: Sequence[Prediction]) -> list[str]:
-    """Per task and method, over the answers given: how many are grounded, and how often a
-    grounded and an ungrounded answer is right. The flag is worth something when ungrounded
-    answers are wrong much more often than grounded ones."""
     lines = [
         "Over answered samples. wrong-rate ratio: how many times more often an ungrounded "
         "answer is wrong than a grounded one.",
@@ -129,27 +172,15 @@ def _grounding_table(predictions: Sequence[Prediction]) -> list[str]:
     ]
     groups: dict[tuple[str, str], list[Prediction]] = {}
     for prediction in predictions:
-        if (
-            prediction.status == "ok"
-            and prediction.scores.get("answered")
-            and ("grounded" in prediction.scores)
-        ):
-            groups.setdefault((prediction.task, prediction.method), []).append(prediction)
+        groups.setdefault((prediction.task, prediction.method), []).append(prediction)
     for (task, method), members in groups.items():
-        grounded = [p for p in members if p.scores["grounded"]]
-        ungrounded = [p for p in members if not p.scores["grounded"]]
-        right = {
-            "grounded": _mean([p.scores["accuracy"] for p in grounded]) if grounded else None,
-            "ungrounded": _mean([p.scores["accuracy"] for p in ungrounded]) if ungrounded else None,
-        }
-        ratio = "n/a"
-        if right["grounded"] is not None and right["ungrounded"] is not None:
-            wrong_grounded, wrong_ungrounded = 1 - right["grounded"], 1 - right["ungrounded"]
-            ratio = f"{wrong_ungrounded / wrong_grounded:.1f}" if wrong_grounded else "inf"
-        cells = [f"{value:.2f}" if value is not None else "n/a" for value in right.values()]
+        stats = GroundingStats.of(members)
+        if not stats.answered:
+            continue
+        grounded, ungrounded = stats.accuracies()
         lines.append(
-            f"| {task} | {method} | {len(members)} | {len(grounded)} | {' | '.join(cells)} "
-            f"| {ratio} |"
+            f"| {task} | {method} | {stats.answered} | {stats.grounded} | {grounded} "
+            f"| {ungrounded} | {stats.wrong_rate_ratio} |"
         )
     return lines
 
