@@ -30,7 +30,7 @@ from pipeline.evaluation.results import Configuration, ConfigurationRun, Predict
 
 NIAH_LENGTHS = ("8k", "32k", "128k")
 STRATEGIES = ("verified-quotes", "segment-first", "memagent-reference")
-OTHER_CPU = "*"
+OTHER_CPU = "†"
 
 
 @dataclass
