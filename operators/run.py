@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -12,6 +10,7 @@ from connectors.state.store import ErrorRecord, StateStore
 from pipeline.config import DocumentLimits, MethodConfig
 from pipeline.core.document import Document
 from pipeline.engines.factory import EngineSpec
+from pipeline.resume import chain_key
 
 
 @dataclass(frozen=True)
@@ -33,15 +32,7 @@ class RunContext:
     limits: DocumentLimits = field(default_factory=DocumentLimits)  # over one: an errors row
 
     def chain_key(self, content_sha256: str, question: str) -> str:
-        identity = {
-            "content_sha256": content_sha256,
-            "question": question,
-            "model": self.engine.model,
-            "tokenizer": self.engine.tokenizer or self.engine.model,
-            **self.engine.answer_settings(),
-            "method": self.method.identity(),
-        }
-        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+        return chain_key(content_sha256, question, self.engine, self.method)
 
     def record_error(self, document: Document, stage: str, error_type: str, message: str) -> None:
         """The document leaves the stream: its errors row says where and why."""

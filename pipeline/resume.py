@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -19,15 +21,31 @@ from typing import Any, Protocol
 from connectors.state.records import Checkpoint, StepCheckpoint
 from connectors.state.schema import DONE
 from connectors.state.store import StateStoreError
+from pipeline.config import MethodConfig
 from pipeline.core.chain import ChainConfig, MemoryChain, StepRecord
 from pipeline.core.evidence import Grounding, find_evidence
 from pipeline.core.segmentation import Segment
+from pipeline.engines.factory import EngineSpec
 from pipeline.runner import ChainResult, ChainRunner
 
 logger = logging.getLogger(__name__)
 
 # How a blocking store call is run off the event loop (default: a worker thread).
 StoreCall = Callable[..., Awaitable[Any]]
+
+
+def chain_key(content_sha256: str, question: str, engine: EngineSpec, method: MethodConfig) -> str:
+    """A chain's key: everything that changes its steps, so a checkpoint is continued only by
+    the same question of the same text, read the same way by the same model."""
+    identity = {
+        "content_sha256": content_sha256,
+        "question": question,
+        "model": engine.model,
+        "tokenizer": engine.tokenizer or engine.model,
+        **engine.answer_settings(),
+        "method": method.identity(),
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
 class ChainCheckpoints(Protocol):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import io
 import json
 import re
@@ -41,6 +42,7 @@ from pipeline.corpora.cuad import (
 from pipeline.engines.base import Completion, GenerationRequest
 from pipeline.engines.factory import EngineSpec
 from pipeline.evaluation import corpora as corpus_files
+from pipeline.evaluation.checkpoints import RUN_ID, EvalCheckpoints
 from pipeline.evaluation.cuad import build_cuad_samples
 from pipeline.evaluation.direct import build_direct_prompt, chat_overhead_tokens, middle_truncate
 from pipeline.evaluation.execution import EvalMethod, EvalSettings, parse_methods
@@ -564,6 +566,83 @@ def test_a_resumed_suite_keeps_earlier_configurations_and_runs_only_the_rest(tok
     assert resumed.predictions[0] is first.predictions[0] and len(resumed.predictions) == 2
     assert len(first_engine.prompts) == 1  # direct: one call
     assert len(second_engine.prompts) == resumed.predictions[1].details["n_segments"] + 1
+
+
+class NoteEngine(EchoEngine):
+    """Answers each prompt with a note named after the prompt, so a chain's memory, and so its
+    later prompts, tell whether it continued from the right memory. Past `hang_after` calls
+    every call waits, as an engine does when its run is stopped."""
+
+    def __init__(self, hang_after: int | None = None) -> None:
+        super().__init__()
+        self.hang_after = hang_after
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        if self.hang_after is not None and len(self.prompts) >= self.hang_after:
+            await asyncio.Event().wait()
+        self.prompts.append(request.prompt)
+        note = hashlib.sha256(request.prompt.encode()).hexdigest()[:8]
+        text = f"Note {note}. Therefore, the answer is {note}."
+        return Completion(request.request_id, text, 12, 6, "stop", 0.5)
+
+
+def test_a_configuration_cut_short_continues_each_chain_from_its_last_step(
+    tokenizer, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    samples = [
+        EvalSample("niah", f"niah-{i}", "1k", 1000, f"Passage {i}. " + "Some text. " * 300, 900,
+                   "Q?", ("42",))
+        for i in range(3)
+    ]  # fmt: skip
+    groups = [SampleGroup("niah", "1k", lambda: samples)]
+    settings = EvalSettings(context_window=2048, chunk_size=256, max_memory_tokens=16)
+    methods = parse_methods(f"memstream:{REFERENCE.name}")
+    spec = EngineSpec(model="notes", dtype="float32")
+
+    async def suite(engine: NoteEngine, *, resume: bool) -> SuiteOutcome:
+        checkpoints = EvalCheckpoints.in_folder(tmp_path, spec, resume=resume)
+        try:
+            return await run_suite(
+                engine, tokenizer, groups, methods, settings, checkpoints=checkpoints
+            )
+        finally:
+            checkpoints.close()
+
+    whole = NoteEngine()
+    uninterrupted = asyncio.run(suite(whole, resume=False))
+
+    async def cut_short(engine: NoteEngine) -> None:
+        checkpoints = EvalCheckpoints.in_folder(tmp_path, spec, resume=False)
+        run = asyncio.create_task(
+            run_suite(engine, tokenizer, groups, methods, settings, checkpoints=checkpoints)
+        )
+        for _ in range(1000):  # until the five steps' checkpoints are written
+            rows = checkpoints.store.answers(RUN_ID, checkpoints.attempt)
+            if sum(row["steps_done"] for row in rows) == 5:
+                break
+            await asyncio.sleep(0.01)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        checkpoints.close()
+
+    stopped = NoteEngine(hang_after=5)
+    asyncio.run(cut_short(stopped))
+    resumed_engine = NoteEngine()
+    resumed = asyncio.run(suite(resumed_engine, resume=True))
+
+    assert len(whole.prompts) > 8  # several steps per chain
+    # each step run once, with the memory it had uninterrupted
+    assert sorted(stopped.prompts + resumed_engine.prompts) == sorted(whole.prompts)
+    fields = ("prediction", "final_memory", "n_calls", "prompt_tokens", "seconds", "scores")
+    for before, after in zip(uninterrupted.predictions, resumed.predictions, strict=True):
+        assert [getattr(after, f) for f in fields] == [getattr(before, f) for f in fields]
+    carried = [p.details.get("steps_from_earlier_sittings", 0) for p in resumed.predictions]
+    assert sum(carried) == 5
+
+    fresh_engine = NoteEngine()
+    asyncio.run(suite(fresh_engine, resume=False))  # without --resume: from the start
+    assert len(fresh_engine.prompts) == len(whole.prompts)
 
 
 def test_off_a_terminal_each_configuration_prints_progress_lines_as_it_runs(

@@ -3,7 +3,8 @@
 `register(subparsers)` adds the command to the `memstream` parser. One engine is opened per run;
 every method reads the same samples through it, and every sample of a configuration is sent at
 once so the engine batches them. Results are rewritten after each configuration, so a stopped
-run keeps what it finished, and `--resume` runs only the configurations the results lack.
+run keeps what it finished, and `--resume` runs only the configurations the results lack; the
+chains of one cut short continue from their last step (OUTPUT/checkpoints.sqlite).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pipeline.corpora.cuad import load_cuad
 from pipeline.engines.base import Engine
 from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
 from pipeline.evaluation import corpora
+from pipeline.evaluation.checkpoints import EvalCheckpoints
 from pipeline.evaluation.cuad import build_cuad_samples
 from pipeline.evaluation.execution import EvalMethod, EvalSettings, ProgressHook, parse_methods
 from pipeline.evaluation.haystack import HaystackCorpus, split_passages
@@ -160,7 +162,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="keep the configurations OUTPUT/results.json already has (same model and settings "
-        "required) and run only the missing ones",
+        "required) and run only the missing ones; chains of a configuration cut short continue "
+        "from their last step, kept in OUTPUT/checkpoints.sqlite",
     )
     parser.add_argument(
         "--regrade",
@@ -397,10 +400,14 @@ async def _open_and_evaluate(
         if hasattr(engine, "check"):
             await engine.check()
     metadata["engine_startup_s"] = round(time.perf_counter() - started, 1)
+    checkpoints = EvalCheckpoints.in_folder(request.output, spec, resume=request.resume)
     try:
         async with terminal.interrupted_by_ctrl_c():
-            return await evaluate(request, engine, tokenizer, metadata, console, previous)
+            return await evaluate(
+                request, engine, tokenizer, metadata, console, previous, checkpoints
+            )
     finally:
+        checkpoints.close()
         await engine.shutdown()
 
 
@@ -411,9 +418,11 @@ async def evaluate(
     metadata: dict[str, Any],
     console: Console,
     previous: SuiteOutcome | None = None,
+    checkpoints: EvalCheckpoints | None = None,
 ) -> SuiteOutcome:
     """Runs every configuration of `request` not in `previous` on an open engine, showing
-    progress on `console`; results.json and results.md are rewritten after each configuration."""
+    progress on `console`; results.json and results.md are rewritten after each configuration,
+    and every chain's steps are checkpointed in `checkpoints`."""
     builders = SampleBuilders(request, tokenizer)
     groups = plan_groups(request.tasks, request.lengths, builders.by_task())
     listener = ConsoleListener(console, request.output, metadata, previous)
@@ -430,6 +439,7 @@ async def evaluate(
                 time_budget_s=budget_s,
                 listener=listener,
                 previous=previous,
+                checkpoints=checkpoints,
             )
     finally:
         metadata["elapsed_s"] = round(time.perf_counter() - started, 1)

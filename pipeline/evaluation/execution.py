@@ -1,18 +1,21 @@
 """Runs one configuration: every sample at once against one engine, so the engine batches them.
 
-`memstream:<template>` runs memory chains through ChainRunner; `direct` sends one prompt per
-sample with the document middle-truncated to the window. Both return the same records.
+`memstream:<template>` runs memory chains through `resume_chain`, each step checkpointed (see
+`checkpoints`); `direct` sends one prompt per sample with the document middle-truncated to the
+window. Both return the same records.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pipeline.ask import DocumentInput, prepare
+from connectors.state.schema import DONE
+from pipeline.ask import DocumentInput, PreparedDocument, prepare
 from pipeline.config import MethodConfig
 from pipeline.core.chain import REFERENCE_MAX_ANSWER_TOKENS, REFERENCE_MAX_MEMORY_TOKENS
 from pipeline.core.evidence import find_evidence, text_segments
@@ -21,10 +24,12 @@ from pipeline.core.scoring import score
 from pipeline.core.segmentation import REFERENCE_CHUNK_SIZE
 from pipeline.core.templates import get_template_set
 from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
+from pipeline.evaluation.checkpoints import EvalCheckpoints
 from pipeline.evaluation.direct import build_direct_prompt, chat_overhead_tokens
 from pipeline.evaluation.results import Prediction
 from pipeline.evaluation.samples import EvalSample
-from pipeline.runner import ChainResult, ChainRunner
+from pipeline.resume import ChainWork, resume_chain
+from pipeline.runner import ChainRunner
 
 DIRECT = "direct"
 MEMSTREAM_PREFIX = "memstream:"
@@ -106,11 +111,21 @@ async def run_configuration(
     method: EvalMethod,
     settings: EvalSettings,
     progress: ProgressHook | None = None,
+    checkpoints: EvalCheckpoints | None = None,
 ) -> list[Prediction]:
+    """Every sample's prediction. Memory chains checkpoint each step in `checkpoints` and
+    continue from what it holds (a temporary store when none is given)."""
     hook = progress or _NoProgress()
     if method.template is None:
         return await _run_direct(engine, tokenizer, samples, settings, hook)
-    return await _run_memstream(engine, tokenizer, samples, method, method.template, settings, hook)
+    if checkpoints is None:
+        with contextlib.closing(EvalCheckpoints.temporary()) as temporary:
+            return await _run_memstream(
+                engine, tokenizer, samples, method, method.template, settings, hook, temporary
+            )
+    return await _run_memstream(
+        engine, tokenizer, samples, method, method.template, settings, hook, checkpoints
+    )
 
 
 async def _run_memstream(
@@ -121,6 +136,7 @@ async def _run_memstream(
     template: str,
     settings: EvalSettings,
     progress: ProgressHook,
+    checkpoints: EvalCheckpoints,
 ) -> list[Prediction]:
     config = settings.method_config(template)
     prepared = [
@@ -129,33 +145,79 @@ async def _run_memstream(
         )
         for sample in samples
     ]
-    chains = [document.chains[0] for document in prepared]
-    progress.planned(sum(chain.n_steps for chain in chains))
+    keys = await checkpoints.call(
+        checkpoints.plan,
+        [
+            (sample, len(document.segments))
+            for sample, document in zip(samples, prepared, strict=True)
+        ],
+        config,
+    )
+    to_run = dict(zip(keys, prepared, strict=True))  # a sample given twice runs once
+    before = await checkpoints.call(checkpoints.chains, to_run)
+    progress.planned(
+        sum(
+            0
+            if before[key]["status"] == DONE
+            else document.chains[0].n_steps - before[key]["steps_done"]
+            for key, document in to_run.items()
+        )
+    )
     runner = ChainRunner(engine, config.sampling())
-    results = await runner.run(chains, lambda *_: progress.called())
+
+    async def started_runner() -> ChainRunner:
+        return runner
+
+    chain_config = config.chain()
+    await asyncio.gather(
+        *(
+            resume_chain(
+                ChainWork(key, document.chains[0].question, document.segments),
+                started_runner,
+                chain_config,
+                checkpoints.store,
+                checkpoints.call,
+                on_step=lambda _: progress.called(),
+            )
+            for key, document in to_run.items()
+        )
+    )
+    stored = await checkpoints.call(checkpoints.chains, to_run)
     return [
-        _chain_prediction(sample, method, result, document.n_tokens)
-        for sample, result, document in zip(samples, results, prepared, strict=True)
+        _stored_prediction(sample, method, stored[key], before[key]["steps_done"], document)
+        for sample, key, document in zip(samples, keys, prepared, strict=True)
     ]
 
 
-def _chain_prediction(
-    sample: EvalSample, method: EvalMethod, result: ChainResult, document_tokens: int
+def _stored_prediction(
+    sample: EvalSample,
+    method: EvalMethod,
+    chain: dict[str, Any],
+    steps_before: int,
+    document: PreparedDocument,
 ) -> Prediction:
+    """A chain's prediction from its row in the store: its counts cover every sitting, and its
+    seconds are the sum of its model calls' latencies."""
+    details: dict[str, Any] = {"n_segments": len(document.segments)}
+    if steps_before:
+        details["steps_from_earlier_sittings"] = steps_before
+    done = chain["status"] == DONE
     return _prediction(
         sample,
         method,
-        answer=result.answer,
-        raw_response=result.raw_response,
-        final_memory=result.final_memory,
-        document_tokens=document_tokens,
-        prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens,
-        n_calls=len(result.trajectory),
-        seconds=result.elapsed_s,
-        status=result.status,
-        error=result.error,
-        details={"n_segments": result.n_segments},
+        answer=chain["answer"],
+        raw_response=chain["raw_response"],
+        final_memory=chain["final_memory"] or "",
+        document_tokens=document.n_tokens,
+        prompt_tokens=chain["prompt_tokens"],
+        completion_tokens=chain["completion_tokens"],
+        n_calls=chain["steps_done"],
+        seconds=chain["compute_s"],
+        status="ok" if done else "error",
+        error=None
+        if done
+        else chain["error"] or f"the chain stopped at step {chain['steps_done']}",
+        details=details,
     )
 
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from pipeline.engines.base import Engine
 from pipeline.engines.hardware import detect
+from pipeline.evaluation.checkpoints import EvalCheckpoints
 from pipeline.evaluation.execution import EvalMethod, EvalSettings, ProgressHook, run_configuration
 from pipeline.evaluation.results import (
     Configuration,
@@ -106,7 +107,10 @@ async def run_suite(
     listener: SuiteListener | None = None,
     clock: Callable[[], float] = time.monotonic,
     previous: SuiteOutcome | None = None,
+    checkpoints: EvalCheckpoints | None = None,
 ) -> SuiteOutcome:
+    """Runs each configuration not finished in `previous`; memory chains checkpoint their
+    steps in `checkpoints` and continue from what it holds."""
     outcome = SuiteOutcome.continuing(previous)
     finished = {run.configuration for run in outcome.runs}
     started = clock()
@@ -129,7 +133,7 @@ async def run_suite(
             progress = listener.started(configuration, len(samples)) if listener else None
             configuration_started = clock()
             predictions = await run_configuration(
-                engine, tokenizer, samples, method, settings, progress
+                engine, tokenizer, samples, method, settings, progress, checkpoints
             )
             run = ConfigurationRun(
                 configuration, len(samples), clock() - configuration_started, detect().describe()
