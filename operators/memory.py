@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 # exit when their parent dies.
 ENGINE_ACTOR_ENV = {"RAY_kill_child_processes_on_worker_exit": "false"}
 
+# Documents reach an actor one at a time (a burst when its engine has just started), so free
+# slots wait until chains stop arriving for this long, then go to the longest waiting chains.
+ADMISSION_SETTLE_S = 0.25
+
 RESULT_SCHEMA = pa.schema(
     [
         ("source_uri", pa.string()),
@@ -119,6 +123,7 @@ class MemoryStage:
                     self.run.method.sampling(),
                     self.max_active_chains,
                     longest_first=self.longest_first,
+                    admission_settle_s=ADMISSION_SETTLE_S if self.longest_first else 0.0,
                 )
             return self._runner
 

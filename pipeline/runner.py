@@ -49,11 +49,15 @@ class ChainRunner:
         max_active_chains: int = 256,
         *,
         longest_first: bool = True,
+        admission_settle_s: float = 0.0,
     ) -> None:
+        """`admission_settle_s`: how long free slots wait for more chains to ask before the
+        waiting ones are admitted by priority (see `PriorityGate`); for chains that arrive one
+        by one rather than together through `run`."""
         self.engine = engine
         self.sampling = sampling
         self.longest_first = longest_first
-        self._slots = PriorityGate(max_active_chains)
+        self._slots = PriorityGate(max_active_chains, settle_s=admission_settle_s)
 
     async def run(
         self, chains: Iterable[MemoryChain], on_step: StepCallback | None = None
@@ -105,20 +109,31 @@ class ChainRunner:
 
 class PriorityGate:
     """At most `slots` holders at once; waiters get a freed slot lowest priority value first,
-    ties in order of arrival."""
+    ties in order of arrival.
 
-    def __init__(self, slots: int) -> None:
+    With `settle_s`, a free slot is not handed to whoever asks first: the gate waits until no
+    one new has asked for `settle_s` (at most `max_settle_s` in all), then admits the waiters by
+    priority. Requests that come in a burst, such as a job's documents reaching an engine that
+    has just started, one store call apart, are then admitted longest first, not first come."""
+
+    def __init__(self, slots: int, settle_s: float = 0.0, max_settle_s: float = 5.0) -> None:
         self._free = slots
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._arrivals = itertools.count()
+        self._settle_s = settle_s
+        self._max_settle_s = max_settle_s
+        self._settling: asyncio.TimerHandle | None = None
+        self._settling_since = 0.0
 
     @contextlib.asynccontextmanager
     async def slot(self, priority: int) -> AsyncIterator[None]:
-        if self._free > 0 and not self._waiting:
+        if self._free > 0 and not self._waiting and not self._settle_s:
             self._free -= 1
         else:
             granted = asyncio.get_running_loop().create_future()
             heapq.heappush(self._waiting, (priority, next(self._arrivals), granted))
+            if self._free > 0:
+                self._settle()
             try:
                 await granted
             except asyncio.CancelledError:
@@ -132,6 +147,24 @@ class PriorityGate:
             yield
         finally:
             self._release()
+
+    def _settle(self) -> None:
+        """Admits the waiters once arrivals pause for `settle_s` (each one restarts the wait)."""
+        loop = asyncio.get_running_loop()
+        if self._settling is None:
+            self._settling_since = loop.time()
+        else:
+            self._settling.cancel()
+        due = min(loop.time() + self._settle_s, self._settling_since + self._max_settle_s)
+        self._settling = loop.call_at(due, self._admit)
+
+    def _admit(self) -> None:
+        self._settling = None
+        while self._free > 0 and self._waiting:
+            _, _, waiter = heapq.heappop(self._waiting)
+            if not waiter.done():
+                self._free -= 1
+                waiter.set_result(None)
 
     def _release(self) -> None:
         while self._waiting:

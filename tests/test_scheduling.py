@@ -125,3 +125,46 @@ def test_with_one_slot_the_longest_chain_starts_first_unless_source_order() -> N
     assert order(longest_first=False) == ["first", "small", "big", "medium"]
     results = asyncio.run(ChainRunner(RecordingEngine(), max_active_chains=1).run(chains()))
     assert [result.chain_id for result in results] == ["first", "small", "big", "medium"]
+
+
+def test_a_settling_gate_admits_a_burst_by_priority_not_by_arrival() -> None:
+    async def admitted_order(settle_s: float) -> list[str]:
+        gate, admitted = PriorityGate(2, settle_s=settle_s), []
+        release = asyncio.Event()
+
+        async def hold(name: str, priority: int) -> None:
+            async with gate.slot(priority):
+                admitted.append(name)
+                await release.wait()
+
+        holders = []
+        for name, priority in [("short", 5), ("longest", -9), ("long", 1)]:
+            holders.append(asyncio.create_task(hold(name, priority)))
+            await asyncio.sleep(0.01)  # one store call apart
+        await asyncio.sleep(settle_s + 0.05)
+        release.set()
+        await asyncio.gather(*holders)
+        return admitted
+
+    assert asyncio.run(admitted_order(0.0)) == ["short", "longest", "long"]
+    assert asyncio.run(admitted_order(0.05)) == ["longest", "long", "short"]
+
+
+def test_a_settling_gate_admits_within_its_longest_wait_while_arrivals_go_on() -> None:
+    async def first_admitted_after() -> float:
+        gate = PriorityGate(1, settle_s=0.05, max_settle_s=0.2)
+        loop = asyncio.get_running_loop()
+        started, admitted_at = loop.time(), []
+
+        async def hold(priority: int) -> None:
+            async with gate.slot(priority):
+                admitted_at.append(loop.time())
+
+        holders = []
+        while not admitted_at and loop.time() - started < 2:
+            holders.append(asyncio.create_task(hold(-len(holders))))
+            await asyncio.sleep(0.02)  # never a pause of 0.05 s
+        await asyncio.gather(*holders)
+        return admitted_at[0] - started
+
+    assert 0.2 <= asyncio.run(first_admitted_after()) < 1.0
