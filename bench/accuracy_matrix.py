@@ -26,7 +26,12 @@ import common
 from pipeline.cli.evaluate import recorded_template_digests
 from pipeline.core.templates import TEMPLATE_SETS
 from pipeline.evaluation.report import RESULTS_JSON, GroundingStats, read_results
-from pipeline.evaluation.results import Configuration, ConfigurationRun, Prediction
+from pipeline.evaluation.results import (
+    ConfigurationRun,
+    Prediction,
+    calls_in_sitting,
+    predictions_of,
+)
 
 NIAH_LENGTHS = ("8k", "32k", "128k")
 STRATEGIES = ("verified-quotes", "segment-first", "memagent-reference")
@@ -46,7 +51,7 @@ class Cell:
 
     @property
     def seconds_per_call(self) -> float:
-        return self.run.seconds / max(1, sum(p.n_calls for p in self.predictions))
+        return self.run.seconds / max(1, calls_in_sitting(self.predictions))
 
 
 def current_digests() -> dict[str, str]:
@@ -69,11 +74,7 @@ def collect_cells(
             configuration = run.configuration
             if recorded.get(configuration.method) != digests.get(configuration.method):
                 continue  # direct reading, or a strategy measured under other wording
-            members = [
-                p
-                for p in outcome.predictions
-                if Configuration(p.task, p.length_label, p.method) == configuration
-            ]
+            members = predictions_of(run, outcome.predictions)
             if not members:
                 continue
             key = (

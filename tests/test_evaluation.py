@@ -59,7 +59,14 @@ from pipeline.evaluation.report import (
     render_markdown,
     write_outputs,
 )
-from pipeline.evaluation.results import Configuration, ConfigurationRun, Prediction, summarize
+from pipeline.evaluation.results import (
+    EARLIER_SITTINGS_CALLS,
+    Configuration,
+    ConfigurationRun,
+    Prediction,
+    calls_in_sitting,
+    summarize,
+)
 from pipeline.evaluation.samples import EvalSample, LengthSpec, count_tokens, parse_lengths
 from pipeline.evaluation.suite import (
     NATIVE_LENGTH_LABEL,
@@ -637,8 +644,9 @@ def test_a_configuration_cut_short_continues_each_chain_from_its_last_step(
     fields = ("prediction", "final_memory", "n_calls", "prompt_tokens", "seconds", "scores")
     for before, after in zip(uninterrupted.predictions, resumed.predictions, strict=True):
         assert [getattr(after, f) for f in fields] == [getattr(before, f) for f in fields]
-    carried = [p.details.get("steps_from_earlier_sittings", 0) for p in resumed.predictions]
+    carried = [p.details.get(EARLIER_SITTINGS_CALLS, 0) for p in resumed.predictions]
     assert sum(carried) == 5
+    assert calls_in_sitting(resumed.predictions) == len(resumed_engine.prompts)
 
     fresh_engine = NoteEngine()
     asyncio.run(suite(fresh_engine, resume=False))  # without --resume: from the start

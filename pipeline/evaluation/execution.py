@@ -26,7 +26,7 @@ from pipeline.core.templates import get_template_set
 from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
 from pipeline.evaluation.checkpoints import EvalCheckpoints
 from pipeline.evaluation.direct import build_direct_prompt, chat_overhead_tokens
-from pipeline.evaluation.results import Prediction
+from pipeline.evaluation.results import EARLIER_SITTINGS_CALLS, Prediction
 from pipeline.evaluation.samples import EvalSample
 from pipeline.resume import ChainWork, resume_chain
 from pipeline.runner import ChainRunner
@@ -200,7 +200,7 @@ def _stored_prediction(
     seconds are the sum of its model calls' latencies."""
     details: dict[str, Any] = {"n_segments": len(document.segments)}
     if steps_before:
-        details["steps_from_earlier_sittings"] = steps_before
+        details[EARLIER_SITTINGS_CALLS] = steps_before
     done = chain["status"] == DONE
     return _prediction(
         sample,

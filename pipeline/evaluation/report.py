@@ -14,6 +14,8 @@ from pipeline.evaluation.results import (
     ConfigurationRun,
     Prediction,
     SummaryRow,
+    calls_in_sitting,
+    predictions_of,
     summarize,
 )
 from pipeline.evaluation.suite import SuiteOutcome
@@ -203,26 +205,27 @@ def _cost_table(runs: Sequence[ConfigurationRun], predictions: Sequence[Predicti
     what one more segment costs on this machine."""
     lines = [
         "Samples of a configuration run at once: s per model call is its wall time over its "
-        "calls (one call a segment, plus the answer).",
+        "calls (one call a segment, plus the answer). A configuration stopped and resumed "
+        "counts the calls of its last sitting only, which its wall time covers.",
         "",
         "| task | length | method | samples | wall s | model calls | s per model call | tokens/s "
         "| machine |",
         "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for run in runs:
-        members = [
-            p
-            for p in predictions
-            if Configuration(p.task, p.length_label, p.method) == run.configuration
-        ]
-        calls = sum(p.n_calls for p in members)
+        members = predictions_of(run, predictions)
+        calls, in_sitting = sum(p.n_calls for p in members), calls_in_sitting(members)
         tokens = sum(p.prompt_tokens + p.completion_tokens for p in members)
-        per_call = f"{run.seconds / calls:.1f}" if calls else "-"
-        rate = f"{tokens / run.seconds:.0f}" if run.seconds else "-"
+        per_call = f"{run.seconds / in_sitting:.1f}" if in_sitting else "-"
+        # tokens are counted over every sitting: a rate only where one sitting made them all
+        rate = f"{tokens / run.seconds:.0f}" if run.seconds and in_sitting == calls else "-"
+        shown_calls = (
+            f"{calls}" if in_sitting == calls else f"{calls} ({calls - in_sitting} earlier)"
+        )
         config = run.configuration
         lines.append(
             f"| {config.task} | {config.length_label} | {config.method} | {run.n_samples} "
-            f"| {run.seconds:,.0f} | {calls} | {per_call} | {rate} | {run.machine or '-'} |"
+            f"| {run.seconds:,.0f} | {shown_calls} | {per_call} | {rate} | {run.machine or '-'} |"
         )
     return lines
 

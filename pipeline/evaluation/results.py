@@ -55,6 +55,26 @@ class ConfigurationRun:
     machine: str = ""  # Hardware.describe() of where it ran; "" in runs before it was kept
 
 
+# In a prediction's details: the model calls of its chain made in earlier sittings of the
+# configuration (a run stopped and resumed), which its configuration's seconds do not cover.
+EARLIER_SITTINGS_CALLS = "steps_from_earlier_sittings"
+
+
+def predictions_of(run: ConfigurationRun, predictions: Iterable[Prediction]) -> list[Prediction]:
+    """The predictions `run` made."""
+    return [
+        p
+        for p in predictions
+        if Configuration(p.task, p.length_label, p.method) == run.configuration
+    ]
+
+
+def calls_in_sitting(predictions: Iterable[Prediction]) -> int:
+    """The model calls made in the sitting that finished the configuration: those its
+    seconds cover."""
+    return sum(p.n_calls - p.details.get(EARLIER_SITTINGS_CALLS, 0) for p in predictions)
+
+
 @dataclass
 class SkippedConfiguration:
     configuration: Configuration
