@@ -606,12 +606,18 @@ def test_a_configuration_cut_short_continues_each_chain_from_its_last_step(
     methods = parse_methods(f"memstream:{REFERENCE.name}")
     spec = EngineSpec(model="notes", dtype="float32")
 
+    log = io.StringIO()
+    listener = ConsoleListener(
+        Console(file=log, force_terminal=False, width=200), tmp_path, {"model": "m"}
+    )
+
     async def suite(engine: NoteEngine, *, resume: bool) -> SuiteOutcome:
         checkpoints = EvalCheckpoints.in_folder(tmp_path, spec, resume=resume)
         try:
             return await run_suite(
-                engine, tokenizer, groups, methods, settings, checkpoints=checkpoints
-            )
+                engine, tokenizer, groups, methods, settings, checkpoints=checkpoints,
+                listener=listener,
+            )  # fmt: skip
         finally:
             checkpoints.close()
 
@@ -636,7 +642,11 @@ def test_a_configuration_cut_short_continues_each_chain_from_its_last_step(
     stopped = NoteEngine(hang_after=5)
     asyncio.run(cut_short(stopped))
     resumed_engine = NoteEngine()
+    log.seek(0)
+    log.truncate()
     resumed = asyncio.run(suite(resumed_engine, resume=True))
+    planned = f"{len(resumed_engine.prompts)} model calls planned (5 made in an earlier sitting)"
+    assert planned in log.getvalue()
 
     assert len(whole.prompts) > 8  # several steps per chain
     # each step run once, with the memory it had uninterrupted

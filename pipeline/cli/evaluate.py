@@ -527,8 +527,8 @@ class _ConfigurationProgress:
         self._progress = progress
         self._task_id = task_id
 
-    def planned(self, calls: int) -> None:
-        self._progress.update(self._task_id, total=calls)
+    def planned(self, calls: int, earlier: int = 0) -> None:
+        self._progress.update(self._task_id, total=earlier + calls, completed=earlier)
 
     def called(self) -> None:
         self._progress.advance(self._task_id)
@@ -546,10 +546,11 @@ class ConfigurationLines:
         self._planned = 0
         self._done = 0
 
-    def planned(self, calls: int) -> None:
+    def planned(self, calls: int, earlier: int = 0) -> None:
         self._planned = calls
         self._throttle.due(final=True)
-        self._console.print(f"{self._label}: {calls} model calls planned")
+        resumed = f" ({earlier} made in an earlier sitting)" if earlier else ""
+        self._console.print(f"{self._label}: {calls} model calls planned{resumed}")
 
     def called(self) -> None:
         self._done += 1

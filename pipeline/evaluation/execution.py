@@ -91,13 +91,14 @@ class EvalSettings:
 
 
 class ProgressHook(Protocol):
-    def planned(self, calls: int) -> None: ...
+    def planned(self, calls: int, earlier: int = 0) -> None:
+        """`calls` still to make; `earlier`: those an earlier sitting made (a resumed run)."""
 
     def called(self) -> None: ...
 
 
 class _NoProgress:
-    def planned(self, calls: int) -> None:
+    def planned(self, calls: int, earlier: int = 0) -> None:
         pass
 
     def called(self) -> None:
@@ -155,13 +156,15 @@ async def _run_memstream(
     )
     to_run = dict(zip(keys, prepared, strict=True))  # a sample given twice runs once
     before = await checkpoints.call(checkpoints.chains, to_run)
+    earlier = sum(chain["steps_done"] for chain in before.values())
     progress.planned(
         sum(
             0
             if before[key]["status"] == DONE
             else document.chains[0].n_steps - before[key]["steps_done"]
             for key, document in to_run.items()
-        )
+        ),
+        earlier,
     )
     runner = ChainRunner(engine, config.sampling())
 
