@@ -41,7 +41,7 @@ from platformdirs import user_cache_dir
 from connectors import OutputError, Source, SourceError, check_output, open_output, open_source
 from connectors.base import coerce_questions
 from connectors.output import S3_MAX_ATTEMPTS
-from connectors.reading import BLOCK_BYTES, SourceDatasource, estimated_bytes
+from connectors.reading import SourceDatasource, estimated_bytes
 from connectors.results import ResultWriter, RunIdentity
 from connectors.state import locks
 from connectors.state.records import DocumentChanges
@@ -74,6 +74,8 @@ logger = logging.getLogger(__name__)
 ProgressCallback = Callable[[RunProgress], None]
 
 STATE_FILE = "memstream-state.sqlite"
+# Ray Data's target block size, in bytes: any row fills a block, so each block holds one.
+ONE_DOCUMENT_PER_BLOCK = 1
 # Room the update template needs besides the chunk, the memory and the question.
 
 
@@ -582,8 +584,8 @@ def _stream(plan: JobPlan, run: RunContext, tally: _Tally) -> None:
 
 
 def read_sources(sources: Sequence[Source], read_tasks: int) -> Any:
-    """The sources' documents as a Ray Dataset (DOCUMENT_SCHEMA rows), read by Ray tasks; its
-    blocks hold about BLOCK_BYTES of documents each, so long documents flow on one by one."""
+    """The sources' documents as a Ray Dataset (DOCUMENT_SCHEMA rows), read by Ray tasks
+    (`connectors.reading.BLOCK_BYTES` of documents at a time), flowing on one to a block."""
     import ray
 
     context = ray.data.DataContext.get_current()
@@ -596,10 +598,13 @@ def read_sources(sources: Sequence[Source], read_tasks: int) -> Any:
     # One output block count per shard: more would make Ray split each block of the read
     # into pieces (one row each, here), whatever their size.
     dataset = ray.data.read_datasource(datasource, override_num_blocks=len(datasource.shards))
-    # The dataset's own copy of the context: every stage after the read cuts its output
-    # blocks at this size too (Ray's default, 128 MiB, would gather a corpus of small
-    # documents into a few blocks, and hold the memory stage back until each is parsed).
-    dataset.context.target_max_block_size = BLOCK_BYTES
+    # The dataset's own copy of the context: every stage after the read puts each document in
+    # a block of its own. Ray Data gives a block to one task, whose batches an async stage
+    # runs at most four at a time, so documents sharing a block would wait for each other:
+    # each document its own memory-stage task puts every one the actor's window allows in
+    # its hands at once, for longest-first to choose among (with the default 128 MiB, a few
+    # blocks would hold a whole corpus of small documents).
+    dataset.context.target_max_block_size = ONE_DOCUMENT_PER_BLOCK
     return dataset
 
 
