@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import math
 import os
@@ -241,6 +242,10 @@ async def replay_at_once(engine: VLLMEngine, requests: list[GenerationRequest]) 
     return figures(seconds, tokens, meter, failed=0)
 
 
+SITTING = "sitting"  # when the run's sitting began (UTC), in each run's figures
+APART = "- (runs of different sittings)"
+
+
 class Sittings:
     """The figures of the runs finished so far, kept in `record` as each one ends, and run 1's
     requests in `<work>/requests.jsonl`, which the ceiling replays."""
@@ -251,6 +256,8 @@ class Sittings:
     ) -> None:  # fmt: skip
         self._runs_path = record
         self._requests_path = work / "requests.jsonl"
+        # Runs of one sitting share the machine's state of the moment; ratios need that.
+        self.sitting = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
         identity = {"sizes": asdict(sizes), "model": model, "dtype": config.dtype, "seed": SEED,
                     "template": TEMPLATE, "step_budget": step_budget(config)}  # fmt: skip
         if max_active_chains != MAX_ACTIVE_CHAINS:  # sittings from before the option stay valid
@@ -269,8 +276,10 @@ class Sittings:
     def done(self, name: str) -> bool:
         return name in self.runs
 
-    def keep(self, name: str, figures: dict[str, Any]) -> None:
-        self.runs[name] = figures
+    def keep(self, name: str, figures: Any) -> None:
+        self.runs[name] = (
+            {**figures, SITTING: self.sitting} if isinstance(figures, dict) else figures
+        )
         temporary = self._runs_path.with_suffix(".tmp")
         temporary.write_text(json.dumps({"identity": self._identity, "runs": self.runs}, indent=2))
         temporary.replace(self._runs_path)
@@ -479,9 +488,17 @@ def report(
          row("5. the longest chain alone", alone)],
     )  # fmt: skip
 
-    def order_row(name: str, key: str) -> tuple[object, ...]:
+    def apart(*compared: dict[str, Any]) -> bool:
+        sittings = {r.get(SITTING) for r in compared}
+        return len(sittings) > 1 or None in sittings
+
+    def judged(value: float, target: float, *compared: dict[str, Any]) -> str:
+        return APART if apart(*compared) else verdict(value, target)
+
+    def order_row(name: str, key: str, other: dict[str, Any]) -> tuple[object, ...]:
         makespan = ratios[key]
         sooner = "longest-first sooner" if makespan > 1 else "**longest-first not sooner**"
+        sooner = APART if apart(other, longest) else sooner
         return (f"{name} / longest-first makespan", f"{makespan:.2f}",
                 "- (above 1: longest-first finished sooner)", sooner)  # fmt: skip
 
@@ -489,20 +506,23 @@ def report(
         ["ratio", "value", "target", "verdict"],
         [("runner longest-first / ceiling tokens/s",
           f"{ratios['runner_longest_first_of_ceiling']:.2f}", f">= {RUNNER_OF_CEILING_TARGET:.2f}",
-          verdict(ratios["runner_longest_first_of_ceiling"], RUNNER_OF_CEILING_TARGET)),
+          judged(ratios["runner_longest_first_of_ceiling"], RUNNER_OF_CEILING_TARGET, longest,
+                 ceiling)),
          ("runner source order / ceiling tokens/s",
           f"{ratios['runner_source_order_of_ceiling']:.2f}", "- (reference)", "-"),
          ("job steady / runner longest-first tokens/s", f"{ratios['job_steady_of_runner']:.2f}",
           f">= {JOB_STEADY_TARGET:.2f}",
-          verdict(ratios["job_steady_of_runner"], JOB_STEADY_TARGET)),
+          judged(ratios["job_steady_of_runner"], JOB_STEADY_TARGET, job, longest)),
          ("job end to end / runner longest-first tokens/s",
           f"{ratios['job_end_to_end_of_runner']:.2f}", f">= {JOB_END_TO_END_TARGET:.2f}",
-          verdict(ratios["job_end_to_end_of_runner"], JOB_END_TO_END_TARGET)),
-         order_row("source order", "source_order_over_longest_first_makespan"),
-         order_row("source order reversed", "reversed_order_over_longest_first_makespan"),
+          judged(ratios["job_end_to_end_of_runner"], JOB_END_TO_END_TARGET, job, longest)),
+         order_row("source order", "source_order_over_longest_first_makespan", source),
+         order_row("source order reversed", "reversed_order_over_longest_first_makespan",
+                   reversed_order),
          ("runner longest-first makespan / (longest chain alone + ceiling)",
           f"{ratios['runner_over_alone_plus_ceiling']:.2f}",
-          "- (near 1: the longest chain gained nothing from sharing the engine)", "-")],
+          "- (near 1: the longest chain gained nothing from sharing the engine)",
+          APART if apart(longest, alone, ceiling) else "-")],
     )  # fmt: skip
     lengths = sorted(document.n_tokens for document in corpus)
     cpu = machine["cpu"]
@@ -528,6 +548,19 @@ def report(
         notes.append("**Some chains or documents failed: the figures are not comparable.**")
     if abs(end_to_end["tokens"] - longest["tokens"]) > 0.01 * longest["tokens"]:
         notes.append("**The job and the runner processed token counts more than 1% apart.**")
+    by_sitting: dict[str, list[str]] = {}
+    for label, r in [("1", longest), ("2", ceiling), ("3", source), ("3 reversed", reversed_order),
+                     ("4", job), ("5", alone)]:  # fmt: skip
+        by_sitting.setdefault(r.get(SITTING) or "a sitting before they were dated", []).append(
+            label
+        )
+    if len(by_sitting) > 1:
+        notes.append(
+            "Sittings (a ratio of runs of different sittings is not judged: this machine's "
+            "speed drifts between them): "
+            + "; ".join(f"runs {', '.join(labels)}: {when}" for when, labels in by_sitting.items())
+            + "."
+        )
     machines = {r["machine"] for r in (*in_process, ceiling, end_to_end)}
     if len(machines) > 1:
         notes.append(
