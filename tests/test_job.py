@@ -370,10 +370,13 @@ def test_sources_are_one_ray_read_and_every_input_ends_read_or_in_errors(
         ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         dataset = read_sources(sources, read_tasks=2)
-        assert dataset.context.target_max_block_size == 1 << 20
-        documents = dataset.map_batches(
+        parsed = dataset.map_batches(
             ReadParseStage(sources, run), batch_format="pyarrow", batch_size=1
-        ).take_all()
+        ).materialize()
+        documents = parsed.take_all()
+        # one document a block: each reaches the memory stage as a task of its own
+        blocks = parsed.iter_batches(batch_size=None, batch_format="pyarrow")
+        assert max(block.num_rows for block in blocks) == 1
     finally:
         if started:
             ray.shutdown()
