@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
@@ -152,23 +152,48 @@ def tree_rss() -> int:
     return total
 
 
-class PeakRss:
-    """Samples `tree_rss` in a thread; `peak_bytes` is the highest since the last `reset`."""
+class Sampler:
+    """Calls `sample()` every `interval_s` in a thread while entered, once on entering (after
+    `begin()`) and once on leaving."""
 
-    def __init__(self, interval_s: float = 0.5) -> None:
-        self._interval_s = interval_s
-        self._lock = threading.Lock()
-        self._peak = 0
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
+        self.wall_s = 0.0
 
-    def __enter__(self) -> PeakRss:
+    def begin(self) -> None:
+        """Runs once, before the first sample."""
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.begin()
+        self.started_at = time.perf_counter()
         self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.sample()
+        self.wall_s = time.perf_counter() - self.started_at
+
+    def _sample_until_stopped(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval_s):
+                return
+
+
+class PeakRss(Sampler):
+    """`peak_bytes` is the highest `tree_rss` since the last `reset`."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        super().__init__(interval_s)
+        self._lock = threading.Lock()
+        self._peak = 0
 
     def reset(self) -> None:
         with self._lock:
@@ -176,14 +201,60 @@ class PeakRss:
 
     @property
     def peak_bytes(self) -> int:
-        self._update()
+        self.sample()
         return self._peak
 
-    def _update(self) -> None:
+    def sample(self) -> None:
         rss = tree_rss()
         with self._lock:
             self._peak = max(self._peak, rss)
 
-    def _sample(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            self._update()
+
+def process_role(process: psutil.Process) -> str:
+    """What a process is, for counting where a run's CPU time goes: this benchmark, vLLM's
+    engine processes, Ray's daemons, its actors and task workers, or anything else."""
+    if process.pid == os.getpid():
+        return "this process (driver)"
+    name = process.name()
+    title = " ".join(process.cmdline()[:2])
+    if name.startswith("VLLM::") or "VLLM::" in title:
+        return "vLLM engine core and worker"
+    if name in ("raylet", "gcs_server"):
+        return f"Ray {name}"
+    if "ray/dashboard" in title or "dashboard/agent" in title or "log_monitor" in title:
+        return "Ray dashboard agent and monitors"
+    if title.startswith("ray::"):
+        return "Ray actor (memory operator)" if "MapWorker" in title else "Ray task workers"
+    return "other processes"
+
+
+class CpuByRole(Sampler):
+    """CPU seconds (user + system) every process on the machine spent while it was entered,
+    summed by `process_role`. A process that starts and ends between two samples is missed."""
+
+    def __init__(self, interval_s: float = 2.0) -> None:
+        super().__init__(interval_s)
+        self._baseline: dict[int, float] = {}
+        self._last: dict[int, tuple[str, float]] = {}
+
+    def begin(self) -> None:
+        self._baseline = {pid: seconds for pid, (_, seconds) in self._processes().items()}
+
+    def sample(self) -> None:
+        self._last.update(self._processes())
+
+    def seconds_by_role(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for pid, (role, seconds) in self._last.items():
+            spent = seconds - self._baseline.get(pid, 0.0)
+            totals[role] = round(totals.get(role, 0.0) + spent, 1)
+        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+    @staticmethod
+    def _processes() -> dict[int, tuple[str, float]]:
+        seen = {}
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error), process.oneshot():
+                times = process.cpu_times()
+                seen[process.pid] = (process_role(process), times.user + times.system)
+        return seen

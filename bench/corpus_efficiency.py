@@ -74,6 +74,8 @@ from pipeline.runner import ChainRunner
 SEED = 20240611  # the corpus: document lengths and questions
 TEMPLATE = "segment-first"
 MAX_ACTIVE_CHAINS = 256  # runner and job alike: more than the corpus has chains
+# CPU seconds of every process on the machine during the run, by what the process is
+CPU_BY_ROLE = "cpu_s_by_role"
 
 
 @dataclass(frozen=True)
@@ -219,13 +221,15 @@ async def run_runner(
     await engine.reset_prefix_cache()
     meter = BusyMeter(engine)
     runner = ChainRunner(meter, method.sampling(), max_active_chains, longest_first=longest_first)
-    started = time.perf_counter()
-    results = await runner.run(chains)
-    seconds = time.perf_counter() - started
+    with common.CpuByRole() as cpu:
+        started = time.perf_counter()
+        results = await runner.run(chains)
+        seconds = time.perf_counter() - started
     failed = sum(result.status != "ok" for result in results)
     longest = max(results, key=lambda result: result.n_segments)
     return {
         **figures(seconds, common.processed_tokens(results), meter, failed),
+        CPU_BY_ROLE: cpu.seconds_by_role(),
         "longest_chain_steps": len(longest.trajectory),
         "longest_chain_s": sum(record.latency_s for record in longest.trajectory),
     }, meter.requests
@@ -364,13 +368,15 @@ def run_ray_job(
                         "max_active_chains": max_active_chains},
         "ray_address": "local",  # a fresh local session, started and stopped inside the timing
     })  # fmt: skip
-    summary: RunSummary = run_job(spec)
+    with common.CpuByRole() as cpu:
+        summary: RunSummary = run_job(spec)
     failed = summary.chains - summary.chains_done
     end_to_end = figures(summary.elapsed_s, summary.tokens, None, failed)
     end_to_end["busy_fraction"] = summary.busy_s / summary.elapsed_s
     return {
         "end_to_end": end_to_end,
         "steady": figures(summary.busy_s, summary.tokens, None, failed),
+        CPU_BY_ROLE: cpu.seconds_by_role(),
         "chains": summary.chains,
         "documents_failed": summary.documents_failed,
         "engine": summary.engine,
@@ -524,6 +530,7 @@ def report(
           "- (near 1: the longest chain gained nothing from sharing the engine)",
           APART if apart(longest, alone, ceiling) else "-")],
     )  # fmt: skip
+    cpu_table = _cpu_table(longest, job, machine["cpu"]["cores"])
     lengths = sorted(document.n_tokens for document in corpus)
     cpu = machine["cpu"]
     flags = " ".join(f"{name}{'+' if on else '-'}" for name, on in machine["cpu_flags"].items())
@@ -587,9 +594,34 @@ def report(
         *runs_table,
         "",
         *ratios_table,
+        *cpu_table,
         *[line for note in notes for line in ("", note)],
     ])  # fmt: skip
     return markdown, ratios
+
+
+def _cpu_table(runner: dict[str, Any], job: dict[str, Any], cores: int) -> list[str]:
+    """Where the CPU went in run 1 and the job: each role's CPU seconds and its share of what
+    the machine's cores could give over the run's wall time (runs of older versions: none)."""
+    if CPU_BY_ROLE not in runner or CPU_BY_ROLE not in job:
+        return []
+    runner_wall, job_wall = runner["seconds"], job["end_to_end"]["seconds"]
+    roles = list(dict.fromkeys([*runner[CPU_BY_ROLE], *job[CPU_BY_ROLE]]))
+
+    def cell(seconds: float | None, wall: float) -> str:
+        return "-" if not seconds else f"{seconds:,.0f} ({seconds / (cores * wall):.0%})"
+
+    rows = [(role, cell(runner[CPU_BY_ROLE].get(role), runner_wall),
+             cell(job[CPU_BY_ROLE].get(role), job_wall)) for role in roles]  # fmt: skip
+    rows.append(("all", cell(sum(runner[CPU_BY_ROLE].values()), runner_wall),
+                 cell(sum(job[CPU_BY_ROLE].values()), job_wall)))  # fmt: skip
+    return [
+        "",
+        f"CPU seconds by process, with their share of {cores} cores over the run's wall time "
+        "(every process on the machine, sampled every 2 s):",
+        "",
+        *common.table(["process", "1. runner, longest-first", "4. Ray job, end to end"], rows),
+    ]
 
 
 def main() -> None:

@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -93,34 +92,17 @@ MiB = 1 << 20
 # --- the driver's RSS ---------------------------------------------------------------------
 
 
-class RssCurve:
-    """The driver's RSS every `interval_s`, in a thread."""
+class RssCurve(common.Sampler):
+    """The driver's RSS every `interval_s`."""
 
     def __init__(self, interval_s: float = 0.5) -> None:
-        self.interval_s = interval_s
+        super().__init__(interval_s)
         self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
         self._process = psutil.Process()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> RssCurve:
-        self._started = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-    def _sample(self) -> None:
-        self.samples.append((time.perf_counter() - self._started, self._process.memory_info().rss))
-
-    def _run(self) -> None:
-        while True:
-            self._sample()
-            if self._stop.wait(self.interval_s):
-                return
+    def sample(self) -> None:
+        rss = self._process.memory_info().rss
+        self.samples.append((time.perf_counter() - self.started_at, rss))
 
     def summary(self, baseline: int) -> dict[str, Any]:
         times = [t for t, _ in self.samples]

@@ -229,6 +229,8 @@ def test_an_answered_chain_is_skipped_while_its_unfinished_sibling_resumes(
         ("q0", "done", ANSWER),
         ("q1", "done", ANSWER),
     ]
+    (only,) = corpus.store.answers(RUN_ID, 2, chain_keys=[unfinished])
+    assert only["chain_key"] == unfinished
 
 
 def test_an_answer_whose_evidence_a_crash_cut_off_gets_it_on_the_rerun(corpus: CorpusRun) -> None:

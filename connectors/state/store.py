@@ -27,7 +27,7 @@ import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -581,8 +581,11 @@ class StateStore:
 
     # --- reading a run back (export) ------------------------------------------------------
 
-    def answers(self, run_id: str, attempt: int) -> Iterator[dict[str, Any]]:
-        """One row per (document, question) of the run's attempt."""
+    def answers(
+        self, run_id: str, attempt: int, chain_keys: Collection[str] | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """One row per (document, question) of the run's attempt; of the given chains only,
+        when `chain_keys` is given."""
         query = (
             select(
                 run_chains.c.run_id,
@@ -622,6 +625,8 @@ class StateStore:
             .where(_of_attempt(run_id, attempt))
             .order_by(run_chains.c.source_uri, run_chains.c.question_id)
         )
+        if chain_keys is not None:
+            query = query.where(run_chains.c.chain_key.in_(list(chain_keys)))
         return self._stream(query)
 
     def trajectory(self, run_id: str, attempt: int) -> Iterator[dict[str, Any]]:

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -88,15 +88,10 @@ class EvalCheckpoints:
             keys.append(key)
         return keys
 
-    def chains(self, keys: Iterable[str]) -> dict[str, dict[str, Any]]:
+    def chains(self, keys: Collection[str]) -> dict[str, dict[str, Any]]:
         """Each chain's row as the store holds it: its answer, memory and counts over every
         sitting."""
-        wanted = set(keys)
-        return {
-            row["chain_key"]: row
-            for row in self.store.answers(RUN_ID, self.attempt)
-            if row["chain_key"] in wanted
-        }
+        return {row["chain_key"]: row for row in self.store.answers(RUN_ID, self.attempt, keys)}
 
     async def call(self, function: Any, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
