@@ -11,13 +11,17 @@ corpus is answered, one run after the other in one process, never two engines at
 3. the runner again, in source order (`longest_first=False`), and in that order reversed: a
    drawn order can put the longest document anywhere (the pinned one puts it second), and an
    archive whose big files sort last is the case longest-first is for;
-4. the Ray Data job (`pipeline.job.run_job`) on a fresh local Ray session: one memory actor,
-   longest-first, every document in flight at once, checkpoints in SQLite, Parquet export;
+4. the Ray Data job (`pipeline.job.run_job`) on a fresh local Ray session, as a user's runs:
+   one memory actor (at nice 0, its read and parse tasks at Ray's 15), longest-first, every
+   document in flight at once, checkpoints in SQLite, Parquet export;
 5. the longest chain alone: a schedule's makespan can be no shorter, and the runner's, set
    beside it and the ceiling, says how much the other chains slow it down.
 
 At most `--max-active-chains` chains read at once (256: the whole corpus); fewer make the
 order in which chains are admitted matter, as it does in an archive larger than the window.
+
+Runs 1 and 4 count every process's CPU seconds by what it is (the engine, Ray's daemons, the
+memory actor, task workers, the driver): where the job's time beside the runner's goes.
 
 Runs 1-3 and 5 share one engine, started and warmed up before them (start-up excluded) and with its
 prefix cache reset before each run. The job's end-to-end figure includes Ray and engine
@@ -55,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import common
-import pipeline_overhead  # sets RAY_worker_niceness=0 and marks this run's Ray processes
+import pipeline_overhead  # marks this run's Ray processes
 import pyarrow.parquet as pq
 from engine_efficiency import BusyMeter
 from platformdirs import user_cache_dir

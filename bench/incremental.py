@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import common
-import pipeline_overhead  # sets RAY_worker_niceness=0 and marks this run's Ray processes
+import pipeline_overhead  # marks this run's Ray processes
 
 from pipeline.config import MethodConfig
 from pipeline.engines.hardware import detect, resolve_dtype

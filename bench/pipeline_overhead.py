@@ -53,9 +53,6 @@ REAL_QUESTIONS = [
     "Which organization, person or system does this document mention most?",
 ]
 QUICK_QUESTION = "What is this document about?"
-# Ray renices its workers to 15 by default; the runner does not, so the engine would be starved
-# behind other work only in the job.
-os.environ.setdefault("RAY_worker_niceness", "0")
 # Marks this run's Ray processes, which leave this process tree once the session is shut down.
 MARKER = ("MEMSTREAM_BENCH_RUN", uuid.uuid4().hex)
 os.environ[MARKER[0]] = MARKER[1]

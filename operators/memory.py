@@ -20,7 +20,7 @@ import pyarrow as pa
 from connectors.state.store import StateStore
 from operators.run import RunContext
 from pipeline.core.document import Document, PlannedChain, documents_of
-from pipeline.engines.factory import open_engine
+from pipeline.engines.factory import ENGINE_ACTOR_ENV_VARS, open_engine
 from pipeline.resume import ChainWork, resume_chain
 from pipeline.runner import ChainRunner
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # would lose its processes while alive (and log EngineDeadError). With this off in the memory
 # actors, MemoryStage.close shuts the engine down in order at exit; vLLM's own processes still
 # exit when their parent dies.
-ENGINE_ACTOR_ENV = {"RAY_kill_child_processes_on_worker_exit": "false"}
+ENGINE_ACTOR_ENV = {**ENGINE_ACTOR_ENV_VARS, "RAY_kill_child_processes_on_worker_exit": "false"}
 
 # Documents reach an actor one at a time (a burst when its engine has just started), so free
 # slots wait until chains stop arriving for this long, then go to the longest waiting chains.

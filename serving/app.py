@@ -22,7 +22,7 @@ from typing import Any
 
 from connectors.state.store import StateStore
 from pipeline.config import MethodConfig
-from pipeline.engines.factory import EngineSpec, load_tokenizer
+from pipeline.engines.factory import ENGINE_ACTOR_ENV_VARS, EngineSpec, load_tokenizer
 from serving.answering import DocumentPreparer, SyncAnswerer
 from serving.api import ApiServices, build_api
 from serving.config import JobsConfig, LimitsConfig, ServingConfig, UriConfig
@@ -101,6 +101,7 @@ def build_application(config: ServingConfig, keys: ApiKeys) -> Any:
     from ray import serve
 
     engine_options = config.engine_deployment.serve_options()
+    engine_options["ray_actor_options"]["runtime_env"] = {"env_vars": ENGINE_ACTOR_ENV_VARS}
     engine_deployment = serve.deployment(EngineServer, name="engine").options(
         max_constructor_retry_count=ENGINE_CONSTRUCTOR_RETRIES,
         # One access-log line per model call would drown the API's per-request lines.

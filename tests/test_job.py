@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlparse
 
 import duckdb
 import pandas as pd
+import psutil
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
@@ -86,6 +87,7 @@ MEASURED_DEFAULT_TEMPLATES = {
 # Ray runs its workers at nice 15: on a shared machine the engine would starve behind anything
 # else that runs, and the tests' timeouts would measure the neighbours.
 WORKER_NICENESS = ("RAY_worker_niceness", "0")
+RAY_WORKER_NICENESS = 15  # Ray's default
 BAD_PDF_REASONS = {
     "encrypted-userpw-openpassword.pdf": "password required",
     "encrypted-aes256-userpw-baz.pdf": "password required",
@@ -770,12 +772,28 @@ def test_memstream_run_shows_progress_and_leaves_no_process_behind(
         "--model", TEST_MODEL, "--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "2048",
         "--chunk-size", "300", "--max-memory-tokens", "24", "--max-answer-tokens", "24",
     ]  # fmt: skip
-    environment = {**os.environ, "MEMSTREAM_TEST_RUN": marker, WORKER_NICENESS[0]: "0"}
+    # Ray's own worker niceness, as a user's run has it.
+    environment = {k: v for k, v in os.environ.items() if k != WORKER_NICENESS[0]}
+    environment["MEMSTREAM_TEST_RUN"] = marker
     try:
-        result = subprocess.run(
-            command, env=environment, capture_output=True, text=True, timeout=900
+        niceness: set[tuple[str, int]] = set()  # (title, nice) of each process seen
+        stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        with stdout.open("w") as out, stderr.open("w") as err:
+            process = subprocess.Popen(command, env=environment, stdout=out, stderr=err)
+            deadline = time.monotonic() + 900
+            while process.poll() is None and time.monotonic() < deadline:
+                niceness |= niceness_of(processes_marked(marker))
+                time.sleep(0.5)
+        process.kill()  # when past the deadline
+        result = subprocess.CompletedProcess(
+            command, process.wait(), stdout.read_text(), stderr.read_text()
         )
         assert result.returncode == 0, result.stderr[-3000:]
+        # The engine is the run's work: it runs at nice 0, Ray's task workers at Ray's 15.
+        engine = {nice for title, nice in niceness if title.startswith("VLLM::")}
+        assert engine == {0}, niceness
+        ray_workers = {nice for title, nice in niceness if title.startswith("ray::")}
+        assert RAY_WORKER_NICENESS in ray_workers, niceness
         assert "model calls" in result.stderr and "chains answered 1/1" in result.stderr
         assert "answered" in result.stdout
         log = assert_clean_terminal(result.stdout, result.stderr)
@@ -805,6 +823,16 @@ def processes_marked(marker: str) -> list[int]:
         except OSError:
             continue
     return marked
+
+
+def niceness_of(pids: list[int]) -> set[tuple[str, int]]:
+    """Each process's title (as `ps` shows it) and nice value."""
+    seen = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            seen.add((process.name(), process.nice()))
+    return seen
 
 
 def kill_processes_marked(marker: str) -> None:

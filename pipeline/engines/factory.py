@@ -30,6 +30,10 @@ COMPILE_PAYS_OFF_TOKENS = 2_000_000
 # a full engine ran slower in bfloat16 too. Figures: README, Performance (bench/prompt_lookup.py).
 PROMPT_LOOKUP_MAX_CHAINS = 8
 PROMPT_LOOKUP_TOKENS = 4
+# Ray starts its workers at nice 15, below its own daemons and the driver. In a Ray actor that
+# runs an engine, the engine is the work, so that actor runs at nice 0 (vLLM's processes inherit
+# it) and the read and parse tasks, left at 15, yield to it. Set in the actor's runtime_env.
+ENGINE_ACTOR_ENV_VARS = {"RAY_worker_niceness": "0"}
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from pipeline.engines import models
 from pipeline.engines.base import Engine
-from pipeline.engines.factory import open_engine
+from pipeline.engines.factory import ENGINE_ACTOR_ENV_VARS, open_engine
 from pipeline.training.config import TrainConfig
 from pipeline.training.rollout import (
     ChainRollout,
@@ -112,6 +112,7 @@ class ActorPoolRollouts:
         actor = ray.remote(EngineRollouts).options(
             num_cpus=self.config.rollout_cpus_per_actor,
             num_gpus=self.config.rollout_gpus_per_actor,
+            runtime_env={"env_vars": ENGINE_ACTOR_ENV_VARS},
         )
         self.actors = [actor.remote(self.config) for _ in range(self.config.rollout_actors)]
         await asyncio.gather(*(a.start.remote(weights) for a in self.actors))
