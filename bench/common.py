@@ -216,15 +216,19 @@ def process_role(process: psutil.Process) -> str:
     if process.pid == os.getpid():
         return "this process (driver)"
     name = process.name()
-    title = " ".join(process.cmdline()[:2])
+    title = " ".join(process.cmdline())  # a Ray worker's title is its first word
     if name.startswith("VLLM::") or "VLLM::" in title:
         return "vLLM engine core and worker"
     if name in ("raylet", "gcs_server"):
         return f"Ray {name}"
-    if "ray/dashboard" in title or "dashboard/agent" in title or "log_monitor" in title:
-        return "Ray dashboard agent and monitors"
+    if title.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent")) or any(
+        script in title for script in ("ray/dashboard", "log_monitor.py", "autoscaler/")
+    ):
+        return "Ray dashboard, agents and monitors"
     if title.startswith("ray::"):
-        return "Ray actor (memory operator)" if "MapWorker" in title else "Ray task workers"
+        if "MapWorker" in title:
+            return "Ray actor (memory operator)"
+        return "Ray task workers and Ray Data's own actors"
     return "other processes"
 
 
