@@ -160,7 +160,6 @@ class Sampler:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
-        self.wall_s = 0.0
 
     def begin(self) -> None:
         """Runs once, before the first sample."""
@@ -178,7 +177,6 @@ class Sampler:
         self._stop.set()
         self._thread.join()
         self.sample()
-        self.wall_s = time.perf_counter() - self.started_at
 
     def _sample_until_stopped(self) -> None:
         while True:

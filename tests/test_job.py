@@ -84,8 +84,9 @@ MEASURED_DEFAULT_TEMPLATES = {
     "qwen2.5-coder-1.5b-instruct": "segment-first",
     "smollm2-135m-instruct": "segment-first",
 }
-# Ray runs its workers at nice 15: on a shared machine the engine would starve behind anything
-# else that runs, and the tests' timeouts would measure the neighbours.
+# Ray runs its workers at nice 15. The engine's actor runs at 0 whatever the session says
+# (ENGINE_ACTOR_ENV_VARS); the module's session sets 0 for every worker so that read and parse
+# tasks do not wait behind other work on a shared machine.
 WORKER_NICENESS = ("RAY_worker_niceness", "0")
 RAY_WORKER_NICENESS = 15  # Ray's default
 BAD_PDF_REASONS = {
