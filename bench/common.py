@@ -232,31 +232,55 @@ def process_role(process: psutil.Process) -> str:
 
 class CpuByRole(Sampler):
     """CPU seconds (user + system) every process on the machine spent while it was entered,
-    summed by `process_role`. A process that starts and ends between two samples is missed."""
+    summed by `process_role` and by `process_title`. Each interval's seconds go to what the
+    process was at its end (a Ray worker's title changes with the task it runs). A process
+    that starts and ends between two samples is missed."""
 
     def __init__(self, interval_s: float = 2.0) -> None:
         super().__init__(interval_s)
-        self._baseline: dict[int, float] = {}
-        self._last: dict[int, tuple[str, float]] = {}
+        self._seconds: dict[int, float] = {}
+        self._by_role: dict[str, float] = {}
+        self._by_title: dict[str, float] = {}
 
     def begin(self) -> None:
-        self._baseline = {pid: seconds for pid, (_, seconds) in self._processes().items()}
+        self._seconds = {pid: seconds for pid, (_, _, seconds) in self._processes().items()}
 
     def sample(self) -> None:
-        self._last.update(self._processes())
+        for pid, (role, title, seconds) in self._processes().items():
+            spent = seconds - self._seconds.get(pid, 0.0)
+            self._seconds[pid] = seconds
+            self._by_role[role] = self._by_role.get(role, 0.0) + spent
+            self._by_title[title] = self._by_title.get(title, 0.0) + spent
 
     def seconds_by_role(self) -> dict[str, float]:
-        totals: dict[str, float] = {}
-        for pid, (role, seconds) in self._last.items():
-            spent = seconds - self._baseline.get(pid, 0.0)
-            totals[role] = round(totals.get(role, 0.0) + spent, 1)
-        return dict(sorted(totals.items(), key=lambda item: -item[1]))
+        return _rounded_by_size(self._by_role)
+
+    def seconds_by_title(self) -> dict[str, float]:
+        return _rounded_by_size(self._by_title)
 
     @staticmethod
-    def _processes() -> dict[int, tuple[str, float]]:
+    def _processes() -> dict[int, tuple[str, str, float]]:
         seen = {}
         for process in psutil.process_iter():
             with contextlib.suppress(psutil.Error), process.oneshot():
                 times = process.cpu_times()
-                seen[process.pid] = (process_role(process), times.user + times.system)
+                role, title = process_role(process), process_title(process)
+                seen[process.pid] = (role, title, times.user + times.system)
         return seen
+
+
+def process_title(process: psutil.Process) -> str:
+    """A process's title: a Ray worker's names the task or actor it runs (`ray::IDLE`,
+    `ray::MapWorker(MapBatches(MemoryStage))`), a Python process its script, others their name."""
+    if process.pid == os.getpid():
+        return "this process (driver)"
+    command = process.cmdline()
+    if command and command[0].startswith("ray::"):
+        return command[0]
+    scripts = [Path(word).name for word in command[1:3] if word.endswith(".py")]
+    return f"{process.name()} {scripts[0]}" if scripts else process.name()
+
+
+def _rounded_by_size(seconds: dict[str, float]) -> dict[str, float]:
+    ordered = sorted(seconds.items(), key=lambda item: -item[1])
+    return {key: round(value, 1) for key, value in ordered if round(value, 1) > 0}

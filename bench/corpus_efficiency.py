@@ -80,6 +80,7 @@ TEMPLATE = "segment-first"
 MAX_ACTIVE_CHAINS = 256  # runner and job alike: more than the corpus has chains
 # CPU seconds of every process on the machine during the run, by what the process is
 CPU_BY_ROLE = "cpu_s_by_role"
+CPU_BY_TITLE = "cpu_s_by_title"  # the same seconds by process title (which Ray task or actor)
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,7 @@ async def run_runner(
     return {
         **figures(seconds, common.processed_tokens(results), meter, failed),
         CPU_BY_ROLE: cpu.seconds_by_role(),
+        CPU_BY_TITLE: cpu.seconds_by_title(),
         "longest_chain_steps": len(longest.trajectory),
         "longest_chain_s": sum(record.latency_s for record in longest.trajectory),
     }, meter.requests
@@ -381,6 +383,7 @@ def run_ray_job(
         "end_to_end": end_to_end,
         "steady": figures(summary.busy_s, summary.tokens, None, failed),
         CPU_BY_ROLE: cpu.seconds_by_role(),
+        CPU_BY_TITLE: cpu.seconds_by_title(),
         "chains": summary.chains,
         "documents_failed": summary.documents_failed,
         "engine": summary.engine,
@@ -619,13 +622,27 @@ def _cpu_table(runner: dict[str, Any], job: dict[str, Any], cores: int) -> list[
              cell(job[CPU_BY_ROLE].get(role), job_wall)) for role in roles]  # fmt: skip
     rows.append(("all", cell(sum(runner[CPU_BY_ROLE].values()), runner_wall),
                  cell(sum(job[CPU_BY_ROLE].values()), job_wall)))  # fmt: skip
-    return [
+    lines = [
         "",
         f"CPU seconds by process, with their share of {cores} cores over the run's wall time "
         "(every process on the machine, sampled every 2 s):",
         "",
         *common.table(["process", "1. runner, longest-first", "4. Ray job, end to end"], rows),
     ]
+    titles = job.get(CPU_BY_TITLE, {})
+    if titles:
+        lines += [
+            "",
+            "The job's CPU seconds by process title, a second or more (a Ray worker's title "
+            "is the task or actor it runs at the time):",
+            "",
+            *common.table(
+                ["process title", "CPU s"],
+                [(f"`{title}`", f"{seconds:,.1f}") for title, seconds in titles.items()
+                 if seconds >= 1],
+            ),
+        ]  # fmt: skip
+    return lines
 
 
 def main() -> None:
