@@ -13,6 +13,7 @@ the prompt's own text are often right, and each accepted one saves an engine ste
 
     .venv/bin/python bench/prompt_lookup.py                    # 25 min, 2-core Xeon (AMX)
     .venv/bin/python bench/prompt_lookup.py --dtype float32 --max-tokens 20000
+    .venv/bin/python bench/prompt_lookup.py --dtype float32 --alone-only   # run 1 only
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ async def alone(
 def main() -> None:
     parser = step_budget.corpus_parser(__doc__)
     parser.add_argument("--tokens", type=int, default=4, help="prompt lookup's N")
+    parser.add_argument(
+        "--alone-only", action="store_true", help="only the lone chain (1), not the corpus (2)"
+    )
     args = parser.parse_args()
     machine = collect()
     method, config, tokenizer, documents = step_budget.mixed_corpus(args, "prompt-lookup")
@@ -62,10 +66,12 @@ def main() -> None:
         looked_up = replace(config, prompt_lookup_tokens=lookup)
         [chain, *_] = corpus.build_chains([longest], tokenizer, method)
         lone = asyncio.run(alone(looked_up, chain, method))
-        chains = corpus.build_chains(documents, tokenizer, method)
-        loaded = asyncio.run(step_budget.measure(STEP_BUDGET, looked_up, chains, method))
+        loaded = None
+        if not args.alone_only:
+            chains = corpus.build_chains(documents, tokenizer, method)
+            loaded = asyncio.run(step_budget.measure(STEP_BUDGET, looked_up, chains, method))
         rows.append({"prompt_lookup_tokens": lookup, "alone": lone, "loaded": loaded})
-        print(lookup, lone["seconds"], loaded["seconds"], loaded["ceiling_s"], flush=True)
+        print(lookup, lone["seconds"], loaded and loaded["seconds"], flush=True)
     plain, looked = (row["alone"]["outputs"] for row in rows)
     same = sum(a == b for a, b in zip(plain, looked, strict=True))
     cpu = machine["cpu"]
@@ -82,8 +88,7 @@ def main() -> None:
             ["prompt lookup", f"one chain alone s ({base['alone']['steps']} steps)",
              "corpus, runner longest-first s", "corpus, all requests at once s"],
             [(row["prompt_lookup_tokens"] or "off", f"{row['alone']['seconds']:.1f}",
-              f"{row['loaded']['seconds']:.1f}", f"{row['loaded']['ceiling_s']:.1f}")
-             for row in rows],
+              *corpus_cells(row["loaded"])) for row in rows],
         ),
         "",
         f"Memory updates of the lone chain identical with and without lookup: {same} of "
@@ -94,6 +99,12 @@ def main() -> None:
     payload = {"args": vars(args), "rows": rows, "same_updates": same, "updates": len(plain),
                "cpu": cpu, "dtype": config.dtype}  # fmt: skip
     common.write_results(f"prompt_lookup-{config.dtype}", payload, markdown)
+
+
+def corpus_cells(loaded: dict[str, Any] | None) -> tuple[str, str]:
+    if loaded is None:
+        return "not run", "not run"
+    return f"{loaded['seconds']:.1f}", f"{loaded['ceiling_s']:.1f}"
 
 
 if __name__ == "__main__":
