@@ -193,7 +193,8 @@ def test_runner_drives_chains_of_different_lengths_together(  # type: ignore[no-
 
 @pytest.fixture(scope="module")
 def openai_server(test_model_path: str, tmp_path_factory) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    """A real vLLM OpenAI-compatible server on 127.0.0.1, stopped by PID afterwards."""
+    """A real vLLM OpenAI-compatible server on 127.0.0.1, stopped by PID afterwards, in the
+    dtype of the in-process `vllm_engine` it is compared with."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
@@ -201,7 +202,7 @@ def openai_server(test_model_path: str, tmp_path_factory) -> Iterator[str]:  # t
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", test_model_path, "--served-model-name", "test-model",
         "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "2048", "--enforce-eager", "--dtype", "bfloat16",
+        "--max-model-len", "2048", "--enforce-eager", "--dtype", resolve_dtype("auto"),
         "--gpu-memory-utilization", str(default_gpu_memory_utilization()),
     ]  # fmt: skip
     server = ServerProcess(command, log, env=env)
