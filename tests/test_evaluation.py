@@ -800,7 +800,7 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
     output = tmp_path / "eval"
     request = resolve_request(
         parse_eval_arguments(
-            "--tasks", "hotpotqa,niah", "--lengths", "1.5k", "--samples", "2",
+            "--tasks", "hotpotqa,niah", "--lengths", "1.5k", "--samples", "1",
             "--methods", "memstream:memagent-reference,direct", "--chunk-size", "512",
             "--max-memory-tokens", "32", "--max-answer-tokens", "32", "--output", str(output),
         ),
@@ -818,7 +818,7 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
         "niah 1.5k memstream:memagent-reference",
         "niah 1.5k direct",
     ]
-    assert len(outcome.predictions) == 8
+    assert len(outcome.predictions) == 4
     assert all(p.raw_response and p.completion_tokens > 0 for p in outcome.predictions)
     chains = [p for p in outcome.predictions if p.method != "direct"]
     assert all(p.n_calls == p.details["n_segments"] + 1 >= 3 for p in chains)
@@ -827,7 +827,7 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
     assert all(p.n_calls == 1 and not p.details["truncated"] for p in direct)
     assert (output / ACCURACY_PLOT).read_bytes()[:8] == PNG_MAGIC
     results = json.loads((output / RESULTS_JSON).read_text())
-    assert len(results["predictions"]) == 8 and len(results["summary"]) == 4
+    assert len(results["predictions"]) == 4 and len(results["summary"]) == 4
     assert "| hotpotqa | 1.5k |" in capsys.readouterr().out
 
     # Re-grading rebuilds the same samples from the run's metadata and gives the same scores.
