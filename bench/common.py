@@ -230,7 +230,7 @@ def process_role(process: psutil.Process) -> str:
     return "other processes"
 
 
-class CpuByRole(Sampler):
+class CpuByProcess(Sampler):
     """CPU seconds (user + system) every process on the machine spent while it was entered,
     summed by `process_role` and by `process_title`. Each interval's seconds go to what the
     process was at its end (a Ray worker's title changes with the task it runs). A process

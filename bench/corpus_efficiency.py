@@ -226,7 +226,7 @@ async def run_runner(
     await engine.reset_prefix_cache()
     meter = BusyMeter(engine)
     runner = ChainRunner(meter, method.sampling(), max_active_chains, longest_first=longest_first)
-    with common.CpuByRole() as cpu:
+    with common.CpuByProcess() as cpu:
         started = time.perf_counter()
         results = await runner.run(chains)
         seconds = time.perf_counter() - started
@@ -374,7 +374,7 @@ def run_ray_job(
                         "max_active_chains": max_active_chains},
         "ray_address": "local",  # a fresh local session, started and stopped inside the timing
     })  # fmt: skip
-    with common.CpuByRole() as cpu:
+    with common.CpuByProcess() as cpu:
         summary: RunSummary = run_job(spec)
     failed = summary.chains - summary.chains_done
     end_to_end = figures(summary.elapsed_s, summary.tokens, None, failed)
