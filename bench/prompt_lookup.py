@@ -98,7 +98,9 @@ def main() -> None:
         del row["alone"]["outputs"]
     payload = {"args": vars(args), "rows": rows, "same_updates": same, "updates": len(plain),
                "cpu": cpu, "dtype": config.dtype}  # fmt: skip
-    common.write_results(f"prompt_lookup-{config.dtype}", payload, markdown)
+    # A lone-chain-only run keeps its own file, so it never replaces a full run's corpus figures.
+    alone_only = "-alone" if args.alone_only else ""
+    common.write_results(f"prompt_lookup-{config.dtype}{alone_only}", payload, markdown)
 
 
 def corpus_cells(loaded: dict[str, Any] | None) -> tuple[str, str]:
