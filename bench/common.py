@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -20,7 +19,7 @@ from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
 from pipeline.engines import models
 from pipeline.engines.base import GenerationRequest
-from pipeline.engines.hardware import DTYPES, resolve_dtype
+from pipeline.engines.hardware import DTYPES, detect, resolve_dtype
 from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.runner import ChainResult, ChainRunner
 
@@ -64,13 +63,12 @@ def documents_of_lengths(tokenizer: Any, lengths: list[int]) -> list[tuple[str, 
 
 
 def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
+    """`name`.json and `name`.md in RESULTS, both dated and naming the machine that ran them."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "benchmark": name,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
-        **payload,
-    }
+    machine = detect().describe()
+    date = time.strftime("%Y-%m-%dT%H:%M:%S")
+    payload = {"benchmark": name, "date": date, "machine": machine, **payload}
+    markdown = f"{markdown}\n\nMeasured on {machine}, {date.replace('T', ' ')}."
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown + "\n")
     print(markdown)
@@ -84,7 +82,7 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-memory-tokens", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small sizes: a minute or two")
     parser.add_argument(
-        "--dtype", default="float32", choices=DTYPES, help="the engine's; auto: by the hardware"
+        "--dtype", default="auto", choices=DTYPES, help="the engine's; auto: by the hardware"
     )
     return parser
 

@@ -166,7 +166,7 @@ def main() -> None:
     markdown = "\n".join([
         f"Engine efficiency, {args.model}, documents of {args.lengths} tokens, "
         f"{args.questions} question(s) each, chunk {args.chunk_size}, "
-        f"memory {args.max_memory_tokens}",
+        f"memory {args.max_memory_tokens}, {config.dtype}, eager",
         "",
         "| driver | seconds | tokens | tokens/s | engine busy | mean requests in flight |",
         "|---|---|---|---|---|---|",

@@ -86,7 +86,8 @@ def main() -> None:
     failed = sum(r["failed"] for r in rows)
     markdown = "\n".join([
         f"Several questions on one document, {args.model}, {args.tokens}-token document of real "
-        f"text, chunk {args.chunk_size}, memory {args.max_memory_tokens} tokens, eager, prefix "
+        f"text, chunk {args.chunk_size}, memory {args.max_memory_tokens} tokens, "
+        f"{common.resolve_dtype(args.dtype)}, eager, prefix "
         "caching on, cache emptied before each run",
         "",
         *common.table(header, cells),

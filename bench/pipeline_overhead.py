@@ -198,7 +198,7 @@ def main() -> None:
     markdown = "\n".join([
         f"Pipeline overhead, {args.model}, {corpus}, {len(questions)} question(s), "
         f"{args.template}, chunk {args.chunk_size}, memory {args.max_memory_tokens} tokens, "
-        "eager, one engine each, one after the other",
+        f"{config.dtype}, eager, one engine each, one after the other",
         "",
         *common.table(header, cells),
         "",
