@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.engines.hardware import detect
 from tests.processes import ServerProcess, free_port, start_memstream_serve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -245,7 +246,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['settings']['max_answer_tokens']} tokens, one-segment documents, one question; "
         f"at least {report['settings']['requests_per_client']} requests per client and "
         f"{report['settings']['min_requests']} per level. "
-        f"{report['machine']['cpus']} CPUs; load average {report['machine']['load_average']} "
+        f"{report['machine'].get('cpu', str(report['machine']['cpus']) + ' CPUs')}, "
+        f"{report['machine'].get('date', 'date not recorded')}; "
+        f"load average {report['machine']['load_average']} "
         f"before the run, {report['machine']['load_average_end']} at its end (this benchmark's "
         f"two engines included). Serve start-up {report.get('serve_startup_s', 'n/a')} s.",
         "",
@@ -301,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": asdict(settings),
         "machine": {
             "cpus": os.cpu_count(),
+            "cpu": detect().describe(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
             "load_average": [round(x, 2) for x in os.getloadavg()],
             "python": platform.python_version(),
         },
