@@ -6,9 +6,10 @@ TEST_MODEL ?= smollm2-135m-instruct
 # of two segments or more, one over 16K); from a fresh clone `make demo` took 15.7 minutes on a
 # 2-core EPYC run as an AVX2-only CPU (README, Performance). 1.0 gives 20K-90K.
 DEMO_SCALE ?= 0.3
-# `make bench` takes about 2 hours on a quiet 2-core machine (48 minutes of them the 1M-token
-# document of the scaling run), plus the full-size corpus_efficiency run: 87 minutes on a 2-core
-# Intel Xeon with AMX, 4-5 hours estimated on an AVX2-only EPYC. BENCH_ARGS=--quick runs small
+# `make bench` on a quiet 2-core Intel Xeon with AMX (bfloat16): 44 minutes for the first four
+# benchmarks (15 of them the 1M-token document of the scaling run; 111 minutes on an earlier
+# bfloat16 host), plus 87 for the full-size corpus_efficiency run (4-5 hours estimated on an
+# AVX2-only EPYC). BENCH_ARGS=--quick runs small
 # sizes; --with-serving adds the slow serving benchmark. Results: bench/results/SUMMARY.md.
 BENCH_ARGS ?=
 # `make soak`: `memstream serve` with the default engine under mixed load from locust for 5
