@@ -8,8 +8,8 @@ same model, method and documents. Both engines stay up; the modes take turns at 
 load from other work on the machine falls on both alike. Reported per concurrency: requests/s,
 p50 and p95 latency, and the ratios serve/in-process. Results go to bench/results/serving.{json,md}.
 
-    .venv/bin/python bench/bench_serving.py                       # 1, 4, 16 clients
-    .venv/bin/python bench/bench_serving.py --concurrency 1 4 --requests-per-client 3
+    PYTHONPATH=. .venv/bin/python bench/bench_serving.py          # 1, 4, 16 clients
+    PYTHONPATH=. .venv/bin/python bench/bench_serving.py --concurrency 1 4 --requests-per-client 3
 
 This is a benchmark, not a test: it takes a few minutes, most of it two engine start-ups.
 """

@@ -2,7 +2,7 @@
 
 Each runs in its own process, one after the other, so there is never more than one engine.
 
-    .venv/bin/python bench/run.py                    # about 2 hours on 2 CPU cores
+    .venv/bin/python bench/run.py                    # 2-4 hours on 2 CPU cores (Makefile)
     .venv/bin/python bench/run.py --quick            # small sizes, a few minutes
     .venv/bin/python bench/run.py --with-serving     # also the Ray Serve endpoint (slow)
     .venv/bin/python bench/run.py --only scaling,multi_question
@@ -47,11 +47,14 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
     runs, sections = [], []
+    # bench_serving uses the test helpers that start and stop `memstream serve` (tests/)
+    pythonpath = os.pathsep.join(filter(None, [str(BENCH.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath}
     for name in names:
         command = [sys.executable, str(BENCH / f"{name}.py"), *(["--quick"] if args.quick else [])]
         print(f"== {name}: {' '.join(command[1:])}", flush=True)
         started = time.time()
-        code = subprocess.run(command, check=False).returncode
+        code = subprocess.run(command, check=False, env=env).returncode
         minutes = (time.time() - started) / 60
         result = RESULTS / f"{RESULT_NAMES.get(name, name)}.md"
         fresh = code == 0 and result.exists() and result.stat().st_mtime >= started
