@@ -29,6 +29,8 @@ CORPORA = REPO.parent / "shared" / "corpora"
 # folder, so the measured CPU results stay as they are).
 RESULTS = Path(os.environ.get("MEMSTREAM_BENCH_RESULTS") or REPO / "bench" / "results")
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# How this project runs an AVX-512 CPU as an AVX2-only one (README, Performance)
+ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,6 +68,9 @@ def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
     """`name`.json and `name`.md in RESULTS, both dated and naming the machine that ran them."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     machine = detect().describe()
+    emulation = {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}
+    if emulation:  # the CPU's flags stay as they are; its kernels are held to an older ISA
+        machine += ", kernels limited by " + " ".join(f"{k}={v}" for k, v in emulation.items())
     date = time.strftime("%Y-%m-%dT%H:%M:%S")
     payload = {"benchmark": name, "date": date, "machine": machine, **payload}
     markdown = f"{markdown}\n\nMeasured on {machine}, {date.replace('T', ' ')}."
