@@ -9,8 +9,8 @@ DEMO_SCALE ?= 0.3
 # `make bench` on a quiet 2-core Intel Xeon with AMX (bfloat16): 44 minutes for the first four
 # benchmarks (15 of them the 1M-token document of the scaling run; 111 minutes on an earlier
 # bfloat16 host), plus 87 for the full-size corpus_efficiency run (4-5 hours estimated on an
-# AVX2-only EPYC). BENCH_ARGS=--quick runs small
-# sizes; --with-serving adds the slow serving benchmark. Results: bench/results/SUMMARY.md.
+# AVX2-only EPYC). BENCH_ARGS=--quick runs small sizes; --with-serving adds the slow serving
+# benchmark. Results: bench/results/SUMMARY.md.
 BENCH_ARGS ?=
 # `make soak`: `memstream serve` with the default engine under mixed load from locust for 5
 # minutes (bench/soak.py); results in bench/results/soak.md. SOAK_ARGS go to the script (e.g.

@@ -68,7 +68,7 @@ def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
     """`name`.json and `name`.md in RESULTS, both dated and naming the machine that ran them."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     machine = detect().describe()
-    emulation = {name: os.environ[name] for name in ISA_LIMITS if os.environ.get(name)}
+    emulation = {limit: os.environ[limit] for limit in ISA_LIMITS if os.environ.get(limit)}
     if emulation:  # the CPU's flags stay as they are; its kernels are held to an older ISA
         machine += ", kernels limited by " + " ".join(f"{k}={v}" for k, v in emulation.items())
     date = time.strftime("%Y-%m-%dT%H:%M:%S")
