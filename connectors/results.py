@@ -115,6 +115,8 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("latency_s", pa.float64()),
         # reply lines the memory policy did not find in the section (verified-quotes); else empty
         ("rejected_quotes", pa.list_(pa.string())),
+        # the final step's re-read passages as [char_start, char_end] of the text; else empty
+        ("reread_spans", pa.list_(pa.list_(pa.int64()))),
     ]
 )
 

@@ -17,7 +17,13 @@ from pipeline.core.chain import (
     ChainConfig,
 )
 from pipeline.core.segmentation import REFERENCE_CHUNK_SIZE, SegmentationConfig
-from pipeline.core.templates import REFERENCE, SEGMENT_FIRST, VERIFIED_QUOTES, get_template_set
+from pipeline.core.templates import (
+    REFERENCE,
+    REREAD_DIGEST,
+    SEGMENT_FIRST,
+    VERIFIED_QUOTES,
+    get_template_set,
+)
 from pipeline.engines.base import SamplingConfig
 from pipeline.engines.factory import DEFAULT_MODEL
 
@@ -46,6 +52,8 @@ class MethodConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    # Tokens of passages re-read at answer time; 0 answers from the memory alone (published).
+    reread_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Build every part once so an invalid value fails here, with the part's own message.
@@ -61,6 +69,7 @@ class MethodConfig:
             templates=get_template_set(self.template),
             max_memory_tokens=self.max_memory_tokens,
             max_answer_tokens=self.max_answer_tokens,
+            reread_tokens=self.reread_tokens,
         )
 
     def sampling(self) -> SamplingConfig:
@@ -71,14 +80,24 @@ class MethodConfig:
 
     def identity(self) -> dict[str, object]:
         """What of the method changes an answer, for a run's and a chain's key: the settings and
-        the template set's wording."""
-        return {**self.as_dict(), "template_digest": get_template_set(self.template).digest}
+        the template set's wording; the re-read budget and its prompt's wording only when it
+        re-reads, so the keys of chains that answer from memory alone stay what they were."""
+        settings = self.as_dict()
+        if not self.reread_tokens:
+            del settings["reread_tokens"]
+        else:
+            settings["reread_digest"] = REREAD_DIGEST
+        return {**settings, "template_digest": get_template_set(self.template).digest}
 
     @classmethod
     def from_identity(cls, identity: dict[str, Any]) -> MethodConfig:
         """The method an `identity()` describes; `TemplateChanged` when its template set's
         wording is no longer this version's (an identity without a digest is taken as is)."""
-        settings = {key: value for key, value in identity.items() if key != "template_digest"}
+        settings = {
+            key: value
+            for key, value in identity.items()
+            if key not in ("template_digest", "reread_digest")
+        }
         method = cls(**settings)
         recorded = identity.get("template_digest")
         current = get_template_set(method.template).digest
@@ -230,3 +249,22 @@ def check_context_fit(
             f"max_model_len is {max_model_len}: lower the chunk size (method.chunk_size, "
             "--chunk-size) or raise max_model_len (engine.max_model_len, --max-model-len)"
         )
+    if method.reread_tokens:
+        templates = get_template_set(method.template)
+        reread = templates.render_reread(longest, "", "")
+        answer_needed = (
+            len(tokenizer(reread, add_special_tokens=False)["input_ids"])
+            + method.max_memory_tokens * templates.memory_holds_replies
+            + method.reread_tokens
+            + method.max_answer_tokens
+            + CHAT_OVERHEAD_TOKENS
+        )
+        if answer_needed > max_model_len:
+            raise ConfigError(
+                f"the answer step needs up to {answer_needed} tokens (reread_tokens "
+                f"{method.reread_tokens} + the memory of up to "
+                f"{method.max_memory_tokens * templates.memory_holds_replies} + max_answer_tokens "
+                f"{method.max_answer_tokens} + the prompt) but the model's max_model_len is "
+                f"{max_model_len}: lower the re-read budget (method.reread_tokens, "
+                "--reread-tokens) or raise max_model_len (engine.max_model_len, --max-model-len)"
+            )

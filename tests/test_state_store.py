@@ -25,7 +25,7 @@ from connectors.state.records import LockHolder, NewJob
 from connectors.state.store import MIGRATIONS, StateStore
 
 TABLES = {table.name for table in schema.metadata.sorted_tables}
-HEAD = "0002"
+HEAD = "0003"
 
 
 def migrate_to(url: str, revision: str) -> None:
@@ -66,6 +66,7 @@ def test_a_database_made_before_migrations_keeps_its_rows_and_gains_the_missing_
     schema.metadata.create_all(engine, tables=old_tables)
     with engine.begin() as connection:
         connection.exec_driver_sql("ALTER TABLE chains DROP COLUMN answered_in_run")  # newer
+        connection.exec_driver_sql("ALTER TABLE steps DROP COLUMN reread_spans")  # newer
         connection.execute(
             sa.insert(schema.jobs).values(
                 job_id="j1", status="queued", name="a.txt", source="upload:a.txt",
@@ -156,6 +157,26 @@ def test_a_database_at_the_first_revision_keeps_its_runs_and_answers(empty_store
         None, {}, job_key="run-0123456789ab", archive_key="archive-x"
     )
     assert (begun.run_id, begun.attempt, begun.previous_run_id) == ("run-0123456789ab-2", 1, None)
+
+
+def test_a_database_at_the_second_revision_keeps_its_steps_and_gains_reread_spans(
+    empty_store_url: str,
+) -> None:
+    """Revision 0003 on a database of 0002: its steps stay, with no re-read passages."""
+    migrate_to(empty_store_url, "0002")
+    engine = sa.create_engine(empty_store_url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            "INSERT INTO steps (chain_key, step, kind, memory_after, prompt_tokens,"
+            " completion_tokens, latency_s, created_at)"
+            " VALUES ('k', 0, 'final', 'A', 1, 1, 0.1, 1.0)"
+        )
+    StateStore(empty_store_url).migrate()
+    with engine.connect() as connection:
+        row = connection.execute(sa.select(schema.steps)).mappings().one()
+    engine.dispose()
+    assert alembic_revision(empty_store_url) == [HEAD]
+    assert (row["memory_after"], row["reread_spans"]) == ("A", None)
 
 
 # --- the run lock -------------------------------------------------------------------------------

@@ -105,6 +105,8 @@ steps = Table(
     Column("finish_reason", String(32)),
     Column("latency_s", Float, nullable=False),
     Column("created_at", Float, nullable=False),
+    # The final step's re-read passages: JSON list of [char_start, char_end]; NULL when none.
+    Column("reread_spans", Text),
 )
 
 documents = Table(

@@ -651,6 +651,7 @@ class StateStore:
                 steps.c.finish_reason,
                 steps.c.latency_s,
                 rejected_quotes.c.quotes.label("rejected_quotes"),
+                steps.c.reread_spans,
             )
             .select_from(with_rejected_quotes(_with_documents(steps)))
             .where(_of_attempt(run_id, attempt))
@@ -1252,6 +1253,8 @@ def write_step(connection: Connection, checkpoint: StepCheckpoint) -> None:
     step_row = asdict(checkpoint.record)
     step_row["chain_key"] = step_row.pop("chain_id")
     dropped = step_row.pop("rejected_quotes")
+    reread = step_row.pop("reread_spans")
+    step_row["reread_spans"] = json.dumps([list(span) for span in reread]) if reread else None
     step_row["memory_after"] = step_row.pop("output")
     step_row["created_at"] = now
     of_chain = steps.c.chain_key == checkpoint.chain_key
@@ -1315,7 +1318,11 @@ def write_failure(connection: Connection, chain_key: str, error: str) -> None:
 
 def trajectory_row(row: Mapping[str, Any]) -> dict[str, Any]:
     """A `steps` row joined with its rejected quotes, as a trajectory table has it."""
-    return {**row, "rejected_quotes": json.loads(row["rejected_quotes"] or "[]")}
+    return {
+        **row,
+        "rejected_quotes": json.loads(row["rejected_quotes"] or "[]"),
+        "reread_spans": json.loads(row.get("reread_spans") or "[]"),
+    }
 
 
 def refused_login(error: OperationalError) -> bool:

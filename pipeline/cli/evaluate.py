@@ -60,7 +60,15 @@ from pipeline.evaluation.results import (
     SkippedConfiguration,
 )
 from pipeline.evaluation.samples import EvalSample, LengthSpec, parse_lengths
-from pipeline.evaluation.suite import TASKS, SuiteOutcome, parse_tasks, plan_groups, run_suite
+from pipeline.evaluation.sec10q import build_sec10q_samples
+from pipeline.evaluation.suite import (
+    DEFAULT_TASKS,
+    TASKS,
+    SuiteOutcome,
+    parse_tasks,
+    plan_groups,
+    run_suite,
+)
 
 DEFAULT_METHODS = "memstream:memagent-reference,memstream:segment-first,direct"
 # Room an update prompt needs besides the chunk and the memory: template, question, chat frame.
@@ -119,7 +127,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "(explicit options win)",
     )
     parser.add_argument(
-        "--tasks", default=",".join(TASKS), help="comma-separated: " + ", ".join(TASKS)
+        "--tasks",
+        default=",".join(DEFAULT_TASKS),
+        help=f"comma-separated: {', '.join(TASKS)} (default {','.join(DEFAULT_TASKS)}; sec10q "
+        "is the held-out part of the 10-Q figures, sec10q-tune the part to tune on)",
     )
     parser.add_argument(
         "--lengths",
@@ -128,7 +139,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
-        help="comma-separated: direct, memstream:<template set> (default %(default)s)",
+        help="comma-separated: direct, rag-bm25, memstream:<template set>[+reread<N>] "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--samples", type=positive_int, help=f"samples per task and length (default {FULL.samples})"
@@ -246,7 +258,9 @@ def check_chunks_fit(request: EvalRequest, tokenizer: Any) -> None:
             config = MethodConfig(
                 chunk_size=settings.chunk_size,
                 max_memory_tokens=settings.max_memory_tokens,
+                max_answer_tokens=settings.max_answer_tokens,
                 template=method.template,
+                reread_tokens=method.reread_tokens,
             )
             check_context_fit(config, (), tokenizer, settings.context_window)
 
@@ -262,7 +276,13 @@ class SampleBuilders:
         self._niah: NiahBuilder | None = None
 
     def by_task(self) -> dict[str, Callable[[LengthSpec | None], list[EvalSample]]]:
-        return {"hotpotqa": self.hotpotqa, "niah": self.niah, "cuad": self.cuad}
+        return {
+            "hotpotqa": self.hotpotqa,
+            "niah": self.niah,
+            "cuad": self.cuad,
+            "sec10q": self.sec10q,
+            "sec10q-tune": self.sec10q_tune,
+        }
 
     def texts(self) -> dict[str, str]:
         if self._texts is None:
@@ -298,6 +318,16 @@ class SampleBuilders:
     def cuad(self, _: LengthSpec | None) -> list[EvalSample]:
         contracts = load_cuad(self.request.corpora)
         return build_cuad_samples(contracts, self.tokenizer, self.request.samples)
+
+    def sec10q(self, _: LengthSpec | None) -> list[EvalSample]:
+        return build_sec10q_samples(
+            "sec10q", self.request.corpora, self.tokenizer, self.request.samples
+        )
+
+    def sec10q_tune(self, _: LengthSpec | None) -> list[EvalSample]:
+        return build_sec10q_samples(
+            "sec10q-tune", self.request.corpora, self.tokenizer, self.request.samples
+        )
 
 
 def run_eval_command(args: argparse.Namespace) -> int:

@@ -70,6 +70,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+REREAD_HELP = (
+    "tokens of the document re-read at answer time: the passages that the question and the "
+    "final memory point to (0: answer from the memory alone, as published)"
+)
+
+
 def add_method_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = MethodConfig()
     group = parser.add_argument_group("method")
@@ -85,6 +91,9 @@ def add_method_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--template",
         help="memory strategy (default: the model's best measured; the reference for others)",
+    )
+    group.add_argument(
+        "--reread-tokens", type=int, default=defaults.reread_tokens, help=REREAD_HELP
     )
     group.add_argument("--temperature", type=float, default=defaults.temperature)
     group.add_argument("--top-p", type=float, default=defaults.top_p)
@@ -123,6 +132,7 @@ def method_config(args: argparse.Namespace) -> MethodConfig:
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
+        reread_tokens=args.reread_tokens,
     )
 
 

@@ -9,7 +9,12 @@ from typing import Any
 from rich.table import Table
 
 from pipeline.cli import terminal
-from pipeline.cli.flags import EXIT_PARTIAL_FAILURE, add_verbose_argument, positive_int
+from pipeline.cli.flags import (
+    EXIT_PARTIAL_FAILURE,
+    REREAD_HELP,
+    add_verbose_argument,
+    positive_int,
+)
 from pipeline.cli.progress import progress_bar
 from pipeline.engines import models
 from pipeline.engines.hardware import DTYPE_HELP, DTYPES
@@ -43,6 +48,7 @@ FLAG_KEYS: dict[str, tuple[str | None, str]] = {
     "temperature": ("method", "temperature"),
     "top_p": ("method", "top_p"),
     "seed": ("method", "seed"),
+    "reread_tokens": ("method", "reread_tokens"),
     "actors": ("concurrency", "actors"),
     "max_active_chains": ("concurrency", "max_active_chains"),
     "batches_in_flight": ("concurrency", "batches_in_flight"),
@@ -92,6 +98,12 @@ def register(subparsers: Any) -> None:
     modes.add_argument("--enforce-eager", action="store_const", const=True, help="skip compiling")
     modes.add_argument("--compile", dest="enforce_eager", action="store_const", const=False)
     engine.add_argument("--kv-cache-gib", type=positive_int)
+    engine.add_argument(
+        "--prompt-lookup",
+        type=int,
+        metavar="N",
+        help="n-gram speculative decoding: up to N tokens proposed from the prompt; 0: off",
+    )
     method = run.add_argument_group("method")
     method.add_argument("--chunk-size", type=positive_int)
     method.add_argument("--snap-window", type=int)
@@ -101,6 +113,7 @@ def register(subparsers: Any) -> None:
     method.add_argument("--temperature", type=float)
     method.add_argument("--top-p", type=float)
     method.add_argument("--seed", type=int)
+    method.add_argument("--reread-tokens", type=int, metavar="N", help=REREAD_HELP)
     concurrency = run.add_argument_group("concurrency")
     concurrency.add_argument("--actors", type=positive_int, help="engines (one per actor)")
     concurrency.add_argument("--max-active-chains", type=positive_int, help="per actor")

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Protocol
 
 from pipeline.core.extraction import extract_answer, strip_thinking
+from pipeline.core.retrieval import Passage, render_passages, select_passages, split_passages
 from pipeline.core.segmentation import Segment
 from pipeline.core.templates import REFERENCE, TemplateSet
 
@@ -27,11 +28,16 @@ class ChainConfig:
     templates: TemplateSet = REFERENCE
     max_memory_tokens: int = REFERENCE_MAX_MEMORY_TOKENS
     max_answer_tokens: int = REFERENCE_MAX_ANSWER_TOKENS
+    # Tokens of the document re-read at answer time: passages that the question and the final
+    # memory point to (pipeline.core.retrieval). 0 answers from the memory alone, as published.
+    reread_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_memory_tokens", "max_answer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.reread_tokens < 0:
+            raise ValueError(f"reread_tokens must be 0 or more, got {self.reread_tokens}")
 
 
 class StepKind(str, Enum):
@@ -82,6 +88,7 @@ class MemoryChain:
         self.step = start_step
         self.raw_response: str | None = None
         self.rejected: tuple[str, ...] = ()  # reply lines the last update's policy dropped
+        self.reread: tuple[Passage, ...] = ()  # the passages the answer step re-read
 
     @property
     def n_steps(self) -> int:
@@ -114,13 +121,28 @@ class MemoryChain:
                 max_tokens=self.config.max_memory_tokens,
                 segment=segment,
             )
+        if self.config.reread_tokens:
+            self.reread = tuple(self.passages_to_reread())
+            prompt = templates.render_reread(
+                self.question, self.memory, render_passages(self.reread)
+            )
+        else:
+            prompt = templates.render_final(self.question, self.memory)
         return StepRequest(
             chain_id=self.chain_id,
             step=self.step,
             kind=StepKind.FINAL,
-            prompt=templates.render_final(self.question, self.memory),
+            prompt=prompt,
             max_tokens=self.config.max_answer_tokens,
             segment=None,
+        )
+
+    def passages_to_reread(self) -> list[Passage]:
+        """The passages the question and the final memory point to (its quotes, names and
+        figures), within the re-read budget, in document order."""
+        memory = self.memory if self.memory != self.config.templates.initial_memory else ""
+        return select_passages(
+            split_passages(self.segments), f"{self.question}\n{memory}", self.config.reread_tokens
         )
 
     def submit(self, reply: str) -> None:
@@ -174,6 +196,8 @@ class StepRecord:
     finish_reason: str | None
     latency_s: float
     rejected_quotes: tuple[str, ...] = ()  # reply lines a verifying memory policy dropped
+    # The answer step's re-read passages, as (char_start, char_end) in the document's text.
+    reread_spans: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def after(cls, chain: MemoryChain, request: StepRequest, completion: Reply) -> StepRecord:
@@ -195,4 +219,5 @@ class StepRecord:
             finish_reason=completion.finish_reason,
             latency_s=completion.latency_s,
             rejected_quotes=chain.rejected if update else (),
+            reread_spans=() if update else tuple((p.char_start, p.char_end) for p in chain.reread),
         )

@@ -20,10 +20,13 @@ from pipeline.core.extraction import (
     string_match_any,
     sub_exact_match,
 )
+from pipeline.core.figures import states_figure
 
 # "any": the answers are alternatives for one answer (HotpotQA, most CUAD labels).
 # "all": every answer must be given (NIAH multi-value, the parties of a contract).
-AnswerMode = Literal["any", "all"]
+# "figure": the answers are spellings of one printed figure ("$39,669 million"), compared as
+# values (pipeline.core.figures): "$39.7 billion" counts, a bare "8" or a dumped row does not.
+AnswerMode = Literal["any", "all", "figure"]
 
 METRICS = (
     "accuracy",
@@ -52,14 +55,17 @@ def score(
     answers: Sequence[str], mode: AnswerMode, prediction: str | None, raw_response: str | None
 ) -> dict[str, float]:
     """`accuracy` is the headline: sub_em (best reference) for "any", string_match_all for
-    "all". With several references EM, sub_em and F1 take the best one; token recall takes the
-    best one for "any" and all of them together for "all"; string_match_any/all count the
-    references found in the prediction."""
+    "all", the figure's value for "figure". With several references EM, sub_em and F1 take the
+    best one; token recall takes the best one for "any" and all of them together for "all";
+    string_match_any/all count the references found in the prediction."""
     references = list(answers)
     raw = raw_response or ""
     match_raw = string_match_all if mode == "all" else string_match_any
     scores = dict.fromkeys(METRICS, 0.0)
-    scores["raw_match"] = match_raw(raw, references) if raw else 0.0
+    if mode == "figure":
+        scores["raw_match"] = float(states_figure(raw, references))
+    else:
+        scores["raw_match"] = match_raw(raw, references) if raw else 0.0
     # The reference counts a prediction only when one was extracted; an answer that normalizes
     # to nothing (".", "the") would otherwise be a substring of every reference.
     if prediction is None or not normalize_answer(prediction):
@@ -74,5 +80,10 @@ def score(
         scores["token_recall"] = max(token_recall(prediction, ref) for ref in references)
     scores["string_match_any"] = string_match_any(prediction, references)
     scores["string_match_all"] = string_match_all(prediction, references)
-    scores["accuracy"] = scores["string_match_all"] if mode == "all" else scores["sub_em"]
+    if mode == "figure":
+        scores["accuracy"] = float(states_figure(prediction, references))
+    elif mode == "all":
+        scores["accuracy"] = scores["string_match_all"]
+    else:
+        scores["accuracy"] = scores["sub_em"]
     return scores

@@ -43,6 +43,27 @@ Your answer:
 
 INITIAL_MEMORY = "No previous memory"
 
+# The answer step when a chain re-reads its source (`reread_tokens` > 0): the final memory and
+# the passages that the question and the memory point to. Every template set shares it; with no
+# re-read each set's own final prompt is used, byte for byte.
+REREAD_FINAL = """You are presented with a problem, notes taken while reading a long document, and passages of the document found again for the problem. Please answer the problem based on the notes and the passages and format your response as follows "Therefore, the answer is (insert answer here)". Give a figure or a name exactly as the document prints it. If neither the notes nor the passages answer the problem, say "Therefore, the answer is not in the document".
+
+<problem> 
+{question}
+</problem>
+
+<memory>
+{memory}
+</memory>
+
+<passages>
+{passages}
+</passages>
+
+Your answer:
+"""  # noqa: E501, W291
+REREAD_DIGEST = hashlib.sha256(REREAD_FINAL.encode()).hexdigest()[:12]
+
 # The tags that delimit untrusted text inside the templates; document text must not contain them.
 STRUCTURE_TAGS = (
     "<problem>",
@@ -51,6 +72,8 @@ STRUCTURE_TAGS = (
     "</memory>",
     "<section>",
     "</section>",
+    "<passages>",
+    "</passages>",
 )
 
 
@@ -94,6 +117,11 @@ class TemplateSet:
 
     def render_final(self, question: str, memory: str) -> str:
         return self.final.format(question=defang(question), memory=defang(memory))
+
+    def render_reread(self, question: str, memory: str, passages: str) -> str:
+        return REREAD_FINAL.format(
+            question=defang(question), memory=defang(memory), passages=defang(passages)
+        )
 
     def next_memory(self, memory: str, reply: str, section: str, budget_chars: int) -> MemoryUpdate:
         """The memory after an update step that read `section` and replied `reply`."""
@@ -250,7 +278,7 @@ REPLY_CUES = tuple(
     dict.fromkeys(
         prompt.rstrip("\n").rsplit("\n", 1)[-1]
         for templates in TEMPLATE_SETS.values()
-        for prompt in (templates.update, templates.final)
+        for prompt in (templates.update, templates.final, REREAD_FINAL)
     )
 )
 

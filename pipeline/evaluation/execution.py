@@ -1,14 +1,17 @@
 """Runs one configuration: every sample at once against one engine, so the engine batches them.
 
 `memstream:<template>` runs memory chains through `resume_chain`, each step checkpointed (see
-`checkpoints`); `direct` sends one prompt per sample with the document middle-truncated to the
-window. Both return the same records.
+`checkpoints`); `memstream:<template>+reread<N>` re-reads up to N tokens of passages at answer
+time. `direct` sends one prompt per sample with the document middle-truncated to the window;
+`rag-bm25` sends one prompt per sample with the passages BM25 ranks first for the question (the
+peer a user would build instead). All return the same records.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,40 +23,54 @@ from pipeline.config import MethodConfig
 from pipeline.core.chain import REFERENCE_MAX_ANSWER_TOKENS, REFERENCE_MAX_MEMORY_TOKENS
 from pipeline.core.evidence import find_evidence, text_segments
 from pipeline.core.extraction import extract_answer, strip_thinking
+from pipeline.core.retrieval import render_passages, select_passages, split_passages
 from pipeline.core.scoring import score
-from pipeline.core.segmentation import REFERENCE_CHUNK_SIZE
-from pipeline.core.templates import get_template_set
+from pipeline.core.segmentation import (
+    REFERENCE_CHUNK_SIZE,
+    SegmentationConfig,
+    segment,
+    tokenize,
+)
+from pipeline.core.templates import defang, get_template_set
 from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
 from pipeline.evaluation.checkpoints import EvalCheckpoints
-from pipeline.evaluation.direct import build_direct_prompt, chat_overhead_tokens
+from pipeline.evaluation.direct import DIRECT_TEMPLATE, build_direct_prompt, chat_overhead_tokens
 from pipeline.evaluation.results import EARLIER_SITTINGS_CALLS, Prediction
 from pipeline.evaluation.samples import EvalSample
 from pipeline.resume import ChainWork, resume_chain
 from pipeline.runner import ChainRunner
 
 DIRECT = "direct"
+RAG_BM25 = "rag-bm25"
 MEMSTREAM_PREFIX = "memstream:"
+_REREAD_SUFFIX = re.compile(r"\+reread(\d+)$")
 
 
 @dataclass(frozen=True)
 class EvalMethod:
-    name: str  # "direct" or "memstream:<template set>"
-    template: str | None  # None for direct
+    name: str  # "direct", "rag-bm25" or "memstream:<template set>[+reread<N>]"
+    template: str | None  # None for the one-call methods
+    reread_tokens: int = 0
 
     @classmethod
     def parse(cls, text: str) -> EvalMethod:
         name = text.strip()
-        if name == DIRECT:
-            return cls(DIRECT, None)
+        if name in (DIRECT, RAG_BM25):
+            return cls(name, None)
         if name.startswith(MEMSTREAM_PREFIX):
             template = name.removeprefix(MEMSTREAM_PREFIX)
+            reread = _REREAD_SUFFIX.search(template)
+            if reread:
+                template = template[: reread.start()]
             get_template_set(template)  # an unknown template set fails here, naming the known
-            return cls(name, template)
-        raise ValueError(f"unknown method {text!r}: use direct or memstream:<template set>")
+            return cls(name, template, int(reread[1]) if reread else 0)
+        raise ValueError(
+            f"unknown method {text!r}: use direct, rag-bm25 or memstream:<template set>[+reread<N>]"
+        )
 
     @property
     def is_direct(self) -> bool:
-        return self.template is None
+        return self.name == DIRECT
 
 
 def parse_methods(text: str) -> list[EvalMethod]:
@@ -75,7 +92,7 @@ class EvalSettings:
     top_p: float = 1.0
     seed: int = 0
 
-    def method_config(self, template: str) -> MethodConfig:
+    def method_config(self, template: str, reread_tokens: int = 0) -> MethodConfig:
         return MethodConfig(
             chunk_size=self.chunk_size,
             max_memory_tokens=self.max_memory_tokens,
@@ -84,6 +101,7 @@ class EvalSettings:
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
+            reread_tokens=reread_tokens,
         )
 
     def sampling(self) -> SamplingConfig:
@@ -118,7 +136,7 @@ async def run_configuration(
     continue from what it holds (a temporary store when none is given)."""
     hook = progress or _NoProgress()
     if method.template is None:
-        return await _run_direct(engine, tokenizer, samples, settings, hook)
+        return await _run_one_call(engine, tokenizer, samples, method, settings, hook)
     if checkpoints is None:
         with contextlib.closing(EvalCheckpoints.temporary()) as temporary:
             return await _run_memstream(
@@ -139,7 +157,7 @@ async def _run_memstream(
     progress: ProgressHook,
     checkpoints: EvalCheckpoints,
 ) -> list[Prediction]:
-    config = settings.method_config(template)
+    config = settings.method_config(template, method.reread_tokens)
     prepared = [
         prepare(
             DocumentInput(sample.sample_id, sample.document), [sample.question], tokenizer, config
@@ -224,14 +242,36 @@ def _stored_prediction(
     )
 
 
-async def _run_direct(
+def build_rag_prompt(
+    sample: EvalSample, tokenizer: Any, settings: EvalSettings
+) -> tuple[str, dict[str, Any]]:
+    """The `rag-bm25` peer, fixed before it was first measured: the document's 300-word
+    passages (never across a segment), ranked by BM25 for the question alone, the best ones up
+    to `chunk_size + max_memory_tokens` tokens in document order, read in one call with direct
+    reading's prompt."""
+    tokenized = tokenize(sample.sample_id, sample.document, tokenizer)
+    segments = segment(tokenized, tokenizer, SegmentationConfig(chunk_size=settings.chunk_size))
+    budget = settings.chunk_size + settings.max_memory_tokens
+    passages = select_passages(split_passages(segments), sample.question, budget)
+    prompt = DIRECT_TEMPLATE.format(
+        document=defang(render_passages(passages)), question=defang(sample.question)
+    )
+    details = {
+        "shown_tokens": sum(p.n_tokens for p in passages),
+        "passages": [[p.char_start, p.char_end] for p in passages],
+    }
+    return prompt, details
+
+
+async def _run_one_call(
     engine: Engine,
     tokenizer: Any,
     samples: Sequence[EvalSample],
+    method: EvalMethod,
     settings: EvalSettings,
     progress: ProgressHook,
 ) -> list[Prediction]:
-    method = EvalMethod(DIRECT, None)
+    """`direct` or `rag-bm25`: one prompt and one model call per sample."""
     overhead = chat_overhead_tokens(tokenizer)
     sampling = settings.sampling()
     progress.planned(len(samples))
@@ -240,19 +280,26 @@ async def _run_direct(
         started = time.perf_counter()
         document_tokens = sample.n_tokens
         try:
-            prompt = build_direct_prompt(
-                sample.document,
-                sample.question,
-                tokenizer,
-                settings.context_window,
-                settings.max_answer_tokens,
-                overhead,
-            )
-            document_tokens = prompt.document_tokens
+            if method.name == RAG_BM25:
+                prompt_text, details = await asyncio.to_thread(
+                    build_rag_prompt, sample, tokenizer, settings
+                )
+            else:
+                prompt = build_direct_prompt(
+                    sample.document,
+                    sample.question,
+                    tokenizer,
+                    settings.context_window,
+                    settings.max_answer_tokens,
+                    overhead,
+                )
+                document_tokens = prompt.document_tokens
+                prompt_text = prompt.prompt
+                details = {"shown_tokens": prompt.shown_tokens, "truncated": prompt.truncated}
             completion = await engine.generate(
                 GenerationRequest(
-                    f"{sample.sample_id}:direct",
-                    prompt.prompt,
+                    f"{sample.sample_id}:{method.name}",
+                    prompt_text,
                     settings.max_answer_tokens,
                     sampling,
                 )
@@ -278,7 +325,7 @@ async def _run_direct(
             completion_tokens=completion.completion_tokens,
             n_calls=1,
             seconds=time.perf_counter() - started,
-            details={"shown_tokens": prompt.shown_tokens, "truncated": prompt.truncated},
+            details=details,
         )
 
     return list(await asyncio.gather(*(answer(sample) for sample in samples)))

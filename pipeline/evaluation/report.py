@@ -28,6 +28,8 @@ HEADLINE = {
     "hotpotqa": "sub_em",
     "niah": "string_match_all",
     "cuad": "sub_em; parties: string_match_all",
+    "sec10q": "the figure's value",
+    "sec10q-tune": "the figure's value",
 }
 METRIC_COLUMNS = (
     ("accuracy", "accuracy"),

@@ -1,0 +1,156 @@
+"""Figures in text, and whether an answer states a gold figure.
+
+A filing prints "$ 39,669" under a header that says "(In millions)"; a right answer may say
+"39,669", "$39,669 million" or "$39.7 billion". `states_figure` reads the figures of an answer
+with their scale words and compares values, allowing for the rounding of the less precise side,
+while a figure too coarse to tell ("8" for 8.1) does not count. Dates ("July 1, 2023", a bare
+year) are not figures. An answer that dumps a whole table row (many figures) does not state one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+SCALES = {
+    "thousand": 1e3,
+    "thousands": 1e3,
+    "k": 1e3,
+    "million": 1e6,
+    "millions": 1e6,
+    "mn": 1e6,
+    "m": 1e6,
+    "mm": 1e6,
+    "billion": 1e9,
+    "billions": 1e9,
+    "bn": 1e9,
+    "b": 1e9,
+    "trillion": 1e12,
+}
+# An answer may name the figure and one other (a comparison, a total); more is a dumped row.
+MAX_OTHER_FIGURES = 1
+# A figure with fewer significant digits than this (or than the gold's, if fewer) is too coarse.
+MIN_SIGNIFICANT_DIGITS = 3
+
+_MONTH = (
+    r"(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?"
+    r"|sep(?:t(?:ember)?)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)\.?"
+)
+_FIGURE = re.compile(
+    r"(?<![\w.,])(?P<open>\()?(?P<minus>[-\u2212\u2013])?\s?(?P<currency>\$)?\s?"
+    r"(?P<number>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)(?![\w,]\d|\.\d)"
+    r"(?P<close>\))?"
+    r"(?:\s?(?P<percent>%|percent\b|per cent\b)"
+    r"|\s?(?P<scale>" + "|".join(sorted(SCALES, key=len, reverse=True)) + r")\b)?",
+    re.IGNORECASE,
+)
+_AFTER_MONTH = re.compile(_MONTH + r"\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A number as printed: its value in its own scale, the scale word's factor (1 when none was
+    printed), how many decimals and significant digits it has, and its unit if one was printed."""
+
+    value: float
+    scale: float
+    decimals: int
+    significant: int
+    percent: bool
+    currency: bool
+    start: int
+    end: int
+
+    @property
+    def absolute(self) -> float:
+        return abs(self.value) * self.scale
+
+    @property
+    def half_step(self) -> float:
+        """Half the unit of its last printed digit, in absolute terms: its rounding."""
+        return 0.5 * 10.0 ** (-self.decimals) * self.scale
+
+
+def find_figures(text: str) -> list[Figure]:
+    """The figures of `text`, in order; years and days of dates are left out."""
+    figures = []
+    for match in _FIGURE.finditer(text):
+        number = match["number"]
+        digits = number.replace(",", "")
+        scale_word = (match["scale"] or "").lower()
+        if _is_date_part(text, match, number, scale_word):
+            continue
+        integer, _, fraction = digits.partition(".")
+        significant = len((integer + fraction).lstrip("0")) or 1
+        if not fraction:
+            significant = len(integer.lstrip("0").rstrip("0")) or 1
+        value = float(digits)
+        if match["minus"] or (match["open"] and match["close"]):
+            value = -value
+        figures.append(
+            Figure(
+                value=value,
+                scale=SCALES.get(scale_word, 1.0),
+                decimals=len(fraction),
+                significant=significant,
+                percent=bool(match["percent"]),
+                currency=bool(match["currency"]),
+                start=match.start("number"),
+                end=match.end(),
+            )
+        )
+    return figures
+
+
+def _is_date_part(text: str, match: re.Match[str], printed: str, scale_word: str) -> bool:
+    """A bare year ("2023", not "2,023") or a day after a month name ("July 1")."""
+    if match["currency"] or match["percent"] or scale_word or not printed.isdigit():
+        return False
+    number = int(printed)
+    if len(printed) == 4 and 1900 <= number <= 2100:
+        return True
+    return number <= 31 and bool(_AFTER_MONTH.search(text[: match.start()]))
+
+
+def parse_gold(text: str) -> Figure:
+    """The one figure of a gold answer such as "$39,669 million" or "12.5%"."""
+    figures = find_figures(text)
+    if len(figures) != 1:
+        raise ValueError(f"a gold figure must hold exactly one number: {text!r}")
+    return figures[0]
+
+
+def same_figure(answer: Figure, gold: Figure) -> bool:
+    """Whether `answer` states `gold`'s value. An answer without a scale word may give the
+    number in the gold's printed scale ("39,669") or in full ("39,669,000,000"); signs are
+    ignored ("a loss of $2,345 million" states -2,345)."""
+    if answer.significant < min(MIN_SIGNIFICANT_DIGITS, gold.significant):
+        return False
+    readings = [answer]
+    if answer.scale == 1.0 and not answer.percent:
+        readings.append(
+            Figure(**{**answer.__dict__, "scale": gold.scale})  # in the gold's printed scale
+        )
+    for reading in readings:
+        tolerance = max(reading.half_step, gold.half_step) * (1 + 1e-9)
+        if math.isclose(reading.absolute, gold.absolute) or (
+            abs(reading.absolute - gold.absolute) <= tolerance
+        ):
+            return True
+    return False
+
+
+def states_figure(answer: str | None, golds: Iterable[str]) -> bool:
+    """Whether the answer states one of the gold figures (alternative spellings of one value)
+    and at most `MAX_OTHER_FIGURES` other figures."""
+    if not answer:
+        return False
+    figures = find_figures(answer)
+    gold_figures = [parse_gold(gold) for gold in golds]
+    matching = [f for f in figures if any(same_figure(f, gold) for gold in gold_figures)]
+    if not matching:
+        return False
+    others = {f.absolute for f in figures} - {f.absolute for f in matching}
+    return len(others) <= MAX_OTHER_FIGURES

@@ -1,0 +1,61 @@
+"""SEC 10-Q questions whose answer is one printed figure, over the filings of the shared corpora.
+
+The questions are memstream's own (`sec10q_questions.jsonl` beside this module), read off the
+filings' tables and prose, each with the figure as printed, its scale and unit, and the page it
+is printed on. The 2023 Q2 filings are the held-out part (`split` "heldout"): no held-out figure
+is a figure of the tuning part (tests/test_sec10q_questions.py checks it by value).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from operators.parsing import ParseError, parse_document
+from pipeline.corpora import check_root
+
+QUESTIONS_FILE = Path(__file__).with_name("sec10q_questions.jsonl")
+FILINGS_FOLDER = "qa/sec10q-dev/docs"
+SPLITS = ("tune", "heldout")
+_SCALE_WORDS = {"": "", "thousand": " thousand", "million": " million", "billion": " billion"}
+
+
+@dataclass(frozen=True)
+class FigureQuestion:
+    id: str
+    filing: str  # the PDF's file name in the filings folder
+    split: str  # "tune" or "heldout"
+    question: str
+    figure: str  # as printed: "39,669", "-2,345", "12.5"
+    scale: str  # "", "thousand", "million" or "billion"
+    unit: str  # "usd", "percent", "shares", "count" or "usd_per_share"
+    page: int  # 1-based page of the PDF where the figure is printed
+    source: str  # "table" or "prose"
+    evidence: str  # the row label or sentence it is read from
+
+    @property
+    def gold(self) -> str:
+        """The figure as one answer would state it: "$39,669 million", "12.5%"."""
+        sign, digits = ("-", self.figure[1:]) if self.figure.startswith("-") else ("", self.figure)
+        currency = "$" if self.unit in ("usd", "usd_per_share") else ""
+        percent = "%" if self.unit == "percent" else ""
+        return f"{sign}{currency}{digits}{percent}{_SCALE_WORDS[self.scale]}"
+
+
+def load_questions(path: Path = QUESTIONS_FILE) -> list[FigureQuestion]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [FigureQuestion(**json.loads(line)) for line in lines if line.strip()]
+
+
+def load_filings(root: Path, names: set[str]) -> dict[str, str]:
+    """The parsed text of each named filing, parsed as `memstream ask` parses a PDF."""
+    folder = check_root(root) / FILINGS_FOLDER
+    texts = {}
+    for name in sorted(names):
+        path = folder / name
+        try:
+            texts[name] = parse_document(path.read_bytes(), path.name).text
+        except ParseError as error:
+            raise ValueError(f"{path}: {error.reason}") from None
+    return texts
