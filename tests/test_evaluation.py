@@ -791,6 +791,9 @@ def test_chunks_that_cannot_fit_the_window_are_refused() -> None:
     assert direct_only.methods == [EvalMethod("direct", None)]
 
 
+REFERENCE_METHOD = "memstream:memagent-reference"
+
+
 @pytest.mark.engine
 def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
     vllm_engine, event_loop_runner, tokenizer, corpora, tmp_path, capsys
@@ -801,7 +804,8 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
     request = resolve_request(
         parse_eval_arguments(
             "--tasks", "hotpotqa,niah", "--lengths", "1.5k", "--samples", "1",
-            "--methods", "memstream:memagent-reference,direct", "--chunk-size", "512",
+            "--methods", f"{REFERENCE_METHOD},{REFERENCE_METHOD}+reread256,rag-bm25,direct",
+            "--chunk-size", "512",
             "--max-memory-tokens", "32", "--max-answer-tokens", "32", "--output", str(output),
         ),
         context_window=vllm_engine.config.max_model_len,
@@ -812,22 +816,28 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
     exit_code = report_run(request, metadata, outcome, console)
 
     assert exit_code == 0, [p.error for p in outcome.predictions]
+    methods = [REFERENCE_METHOD, f"{REFERENCE_METHOD}+reread256", "rag-bm25", "direct"]
     assert [run.configuration.describe() for run in outcome.runs] == [
-        "hotpotqa 1.5k memstream:memagent-reference",
-        "hotpotqa 1.5k direct",
-        "niah 1.5k memstream:memagent-reference",
-        "niah 1.5k direct",
+        f"{task} 1.5k {method}" for task in ("hotpotqa", "niah") for method in methods
     ]
-    assert len(outcome.predictions) == 4
+    assert len(outcome.predictions) == 8
     assert all(p.raw_response and p.completion_tokens > 0 for p in outcome.predictions)
-    chains = [p for p in outcome.predictions if p.method != "direct"]
+    chains = [p for p in outcome.predictions if p.method.startswith("memstream:")]
     assert all(p.n_calls == p.details["n_segments"] + 1 >= 3 for p in chains)
     assert all(p.final_memory is not None for p in chains)
-    direct = [p for p in outcome.predictions if p.method == "direct"]
-    assert all(p.n_calls == 1 and not p.details["truncated"] for p in direct)
+    # Greedy: the same memory updates, then an answer prompt that also holds the passages.
+    by_method = {(p.task, p.method): p for p in outcome.predictions}
+    for task in ("hotpotqa", "niah"):
+        plain, rereading = (by_method[task, method] for method in methods[:2])
+        assert rereading.final_memory == plain.final_memory
+        assert rereading.prompt_tokens > plain.prompt_tokens
+    one_call = [p for p in outcome.predictions if p.method in ("direct", "rag-bm25")]
+    assert all(p.n_calls == 1 for p in one_call)
+    assert all(not p.details["truncated"] for p in one_call if p.method == "direct")
+    assert all(p.details["passages"] for p in one_call if p.method == "rag-bm25")
     assert (output / ACCURACY_PLOT).read_bytes()[:8] == PNG_MAGIC
     results = json.loads((output / RESULTS_JSON).read_text())
-    assert len(results["predictions"]) == 4 and len(results["summary"]) == 4
+    assert len(results["predictions"]) == 8 and len(results["summary"]) == 8
     assert "| hotpotqa | 1.5k |" in capsys.readouterr().out
 
     # Re-grading rebuilds the same samples from the run's metadata and gives the same scores.

@@ -423,7 +423,12 @@ def document(run_id: str, attempt: int, uri: str) -> DocumentRecord:
 
 
 def step(
-    key: str, index: int, *, final: bool = False, rejected: tuple[str, ...] = ()
+    key: str,
+    index: int,
+    *,
+    final: bool = False,
+    rejected: tuple[str, ...] = (),
+    reread: tuple[tuple[int, int], ...] = (),
 ) -> StepCheckpoint:
     record = StepRecord(
         chain_id=key,
@@ -440,6 +445,7 @@ def step(
         finish_reason="stop",
         latency_s=0.5,
         rejected_quotes=rejected,
+        reread_spans=reread,
     )
     return StepCheckpoint(
         record,
@@ -474,7 +480,7 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
     statuses = store.plan_document(document("run-a", 2, "file:///a"), chains)
     assert statuses == {"key-1": "running", "key-2": "pending"}
     store.record_step(step("key-1", 1, rejected=("not in the section",)))  # written twice: one row
-    store.record_step(step("key-1", 2, final=True))
+    store.record_step(step("key-1", 2, final=True, reread=((10, 20), (400, 450))))
     store.mark_failed("key-2", "EngineError: boom")
     store.mark_failed("key-1", "too late: it is done")
 
@@ -506,6 +512,8 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
     }
     query = f"SELECT step, rejected_quotes FROM '{tables['trajectory'].uri}' ORDER BY step"
     assert duckdb.sql(query).fetchall() == [(0, []), (1, ["not in the section"]), (2, [])]
+    query = f"SELECT step, reread_spans FROM '{tables['trajectory'].uri}' ORDER BY step"
+    assert duckdb.sql(query).fetchall() == [(0, []), (1, []), (2, [[10, 20], [400, 450]])]
     query = f"SELECT question_id, sampling.top_p, dtype FROM '{tables['answers'].uri}'"
     assert duckdb.sql(query).df().values.tolist() == [
         ["q0", 1.0, "float32"],
