@@ -68,6 +68,10 @@ class ChainWork:
     question: str
     segments: Sequence[Segment] | None
     page_starts: Sequence[int] | None = None
+    # The key of the same chain answered from its memory alone (no re-read): when this chain has
+    # run no step and that one read every segment, this one starts at its answer step from that
+    # final memory, so a re-read costs one call, not the whole chain again.
+    memory_from: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,10 @@ async def resume_chain(
             return ChainOutcome("skipped", checkpoint.step)
         if work.segments is None:
             raise RuntimeError("the document was planned as answered; run the job again")
+        if (checkpoint is None or checkpoint.step == 0) and work.memory_from is not None:
+            read = await call(checkpoints.load_checkpoint, work.memory_from)
+            if read is not None and read.step >= len(work.segments):
+                checkpoint = Checkpoint(read.status, len(work.segments), read.memory)
         start_step = min(checkpoint.step if checkpoint else 0, len(work.segments))
         chain = MemoryChain(
             work.chain_key,

@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import re
+import sqlite3
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -804,33 +805,46 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
     request = resolve_request(
         parse_eval_arguments(
             "--tasks", "hotpotqa,niah", "--lengths", "1.5k", "--samples", "1",
-            "--methods", f"{REFERENCE_METHOD},{REFERENCE_METHOD}+reread256,rag-bm25,direct",
+            "--methods", f"{REFERENCE_METHOD},{REFERENCE_METHOD}+reread600,rag-bm25,direct",
             "--chunk-size", "512",
             "--max-memory-tokens", "32", "--max-answer-tokens", "32", "--output", str(output),
         ),
         context_window=vllm_engine.config.max_model_len,
     )  # fmt: skip
-    metadata = run_metadata(request, EngineSpec(model=TEST_MODEL, dtype=vllm_engine.config.dtype))
+    spec = EngineSpec(model=TEST_MODEL, dtype=vllm_engine.config.dtype)
+    metadata = run_metadata(request, spec)
     console = Console(stderr=True)
-    outcome = event_loop_runner.run(evaluate(request, vllm_engine, tokenizer, metadata, console))
+    checkpoints = EvalCheckpoints.in_folder(output, spec, resume=False)
+    try:
+        outcome = event_loop_runner.run(
+            evaluate(request, vllm_engine, tokenizer, metadata, console, None, checkpoints)
+        )
+    finally:
+        checkpoints.close()
     exit_code = report_run(request, metadata, outcome, console)
 
     assert exit_code == 0, [p.error for p in outcome.predictions]
-    methods = [REFERENCE_METHOD, f"{REFERENCE_METHOD}+reread256", "rag-bm25", "direct"]
+    methods = [REFERENCE_METHOD, f"{REFERENCE_METHOD}+reread600", "rag-bm25", "direct"]
     assert [run.configuration.describe() for run in outcome.runs] == [
         f"{task} 1.5k {method}" for task in ("hotpotqa", "niah") for method in methods
     ]
     assert len(outcome.predictions) == 8
     assert all(p.raw_response and p.completion_tokens > 0 for p in outcome.predictions)
-    chains = [p for p in outcome.predictions if p.method.startswith("memstream:")]
+    chains = [p for p in outcome.predictions if p.method == REFERENCE_METHOD]
     assert all(p.n_calls == p.details["n_segments"] + 1 >= 3 for p in chains)
     assert all(p.final_memory is not None for p in chains)
-    # Greedy: the same memory updates, then an answer prompt that also holds the passages.
+    # The re-reading chains start at their answer step from the plain chains' final memories,
+    # and their answer steps record the passages they re-read.
     by_method = {(p.task, p.method): p for p in outcome.predictions}
     for task in ("hotpotqa", "niah"):
         plain, rereading = (by_method[task, method] for method in methods[:2])
         assert rereading.final_memory == plain.final_memory
-        assert rereading.prompt_tokens > plain.prompt_tokens
+        assert rereading.n_calls == 1 and rereading.details["memory_reused"]
+    with sqlite3.connect(output / "checkpoints.sqlite") as connection:
+        spans = connection.execute(
+            "SELECT reread_spans FROM steps WHERE reread_spans IS NOT NULL"
+        ).fetchall()
+    assert len(spans) == 2 and all(json.loads(row[0]) for row in spans)
     one_call = [p for p in outcome.predictions if p.method in ("direct", "rag-bm25")]
     assert all(p.n_calls == 1 for p in one_call)
     assert all(not p.details["truncated"] for p in one_call if p.method == "direct")

@@ -130,3 +130,39 @@ def test_evaluation_method_names() -> None:
     assert EvalMethod.parse("memstream:segment-first").reread_tokens == 0
     with pytest.raises(ValueError, match="rag-bm25"):
         EvalMethod.parse("bm25")
+
+
+def test_a_re_reading_method_starts_from_the_plain_chains_final_memory() -> None:
+    """Re-read changes only the answer step: after the plain method, a `+reread` one makes one
+    call per sample; with no plain chain to start from it runs every step."""
+    import asyncio
+    import contextlib
+
+    from pipeline.evaluation.checkpoints import EvalCheckpoints
+    from pipeline.evaluation.execution import EvalSettings, run_configuration
+    from pipeline.evaluation.samples import EvalSample
+    from tests.fake_engine import FactEngine, WordTokenizer
+
+    words = [f"word{i}" for i in range(600)]
+    document = " ".join([*words[:300], "fact-amber", *words[300:]])
+    sample = EvalSample("niah", "s1", "1k", 1024, document, 601, "Which fact?", ("fact-amber",))
+    settings = EvalSettings(context_window=4096, chunk_size=200, max_memory_tokens=50)
+
+    async def run(methods: list[str]) -> list[tuple[int, bool, str | None]]:
+        with contextlib.closing(EvalCheckpoints.temporary()) as checkpoints:
+            outcome = []
+            for name in methods:
+                method = EvalMethod.parse(name)
+                (prediction,) = await run_configuration(
+                    FactEngine(), WordTokenizer(), [sample], method, settings, None, checkpoints
+                )
+                reused = bool(prediction.details.get("memory_reused"))
+                outcome.append((prediction.n_calls, reused, prediction.prediction))
+            return outcome
+
+    plain, rereading = "memstream:memagent-reference", "memstream:memagent-reference+reread300"
+    assert asyncio.run(run([plain, rereading])) == [
+        (5, False, "fact-amber"),
+        (1, True, "fact-amber"),
+    ]
+    assert asyncio.run(run([rereading])) == [(5, False, "fact-amber")]

@@ -63,13 +63,17 @@ class EvalCheckpoints:
         folder = Path(tempfile.mkdtemp(prefix="memstream-eval-"))
         return cls(folder / CHECKPOINTS_FILE, EngineSpec(model="unrecorded"), temporary=True)
 
+    def key(self, sample: EvalSample, method: MethodConfig) -> str:
+        content_sha256 = hashlib.sha256(sample.document.encode()).hexdigest()
+        return chain_key(content_sha256, sample.question, self.engine, method)
+
     def plan(self, samples: Iterable[tuple[EvalSample, int]], method: MethodConfig) -> list[str]:
         """Records each sample's chain, given the sample and its number of segments; returns
         their keys, in the order given."""
         keys = []
         for sample, n_segments in samples:
             content_sha256 = hashlib.sha256(sample.document.encode()).hexdigest()
-            key = chain_key(content_sha256, sample.question, self.engine, method)
+            key = self.key(sample, method)
             document = DocumentRecord(
                 run_id=RUN_ID,
                 attempt=self.attempt,

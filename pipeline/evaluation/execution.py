@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import time
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from pipeline.evaluation.samples import EvalSample
 from pipeline.resume import ChainWork, resume_chain
 from pipeline.runner import ChainRunner
 
+MEMORY_REUSED = "memory_reused"
 DIRECT = "direct"
 RAG_BM25 = "rag-bm25"
 MEMSTREAM_PREFIX = "memstream:"
@@ -173,12 +175,29 @@ async def _run_memstream(
         config,
     )
     to_run = dict(zip(keys, prepared, strict=True))  # a sample given twice runs once
+    # A re-reading method starts from the final memory of the same method without re-read,
+    # where an earlier configuration of this run (or a resumed one) left it.
+    memory_from = {
+        key: checkpoints.key(sample, dataclasses.replace(config, reread_tokens=0))
+        for key, sample in zip(keys, samples, strict=True)
+        if config.reread_tokens
+    }
     before = await checkpoints.call(checkpoints.chains, to_run)
+    memories = await checkpoints.call(checkpoints.chains, set(memory_from.values()))
+    reused = {
+        key
+        for key, source in memory_from.items()
+        if before[key]["steps_done"] == 0
+        and source in memories
+        and memories[source]["steps_done"] >= len(to_run[key].segments)
+    }
     earlier = sum(chain["steps_done"] for chain in before.values())
     progress.planned(
         sum(
             0
             if before[key]["status"] == DONE
+            else 1
+            if key in reused
             else document.chains[0].n_steps - before[key]["steps_done"]
             for key, document in to_run.items()
         ),
@@ -193,7 +212,12 @@ async def _run_memstream(
     await asyncio.gather(
         *(
             resume_chain(
-                ChainWork(key, document.chains[0].question, document.segments),
+                ChainWork(
+                    key,
+                    document.chains[0].question,
+                    document.segments,
+                    memory_from=memory_from.get(key),
+                ),
                 started_runner,
                 chain_config,
                 checkpoints.store,
@@ -205,7 +229,9 @@ async def _run_memstream(
     )
     stored = await checkpoints.call(checkpoints.chains, to_run)
     return [
-        _stored_prediction(sample, method, stored[key], before[key]["steps_done"], document)
+        _stored_prediction(
+            sample, method, stored[key], before[key]["steps_done"], document, key in reused
+        )
         for sample, key, document in zip(samples, keys, prepared, strict=True)
     ]
 
@@ -216,12 +242,19 @@ def _stored_prediction(
     chain: dict[str, Any],
     steps_before: int,
     document: PreparedDocument,
+    memory_reused: bool = False,
 ) -> Prediction:
     """A chain's prediction from its row in the store: its counts cover every sitting, and its
-    seconds are the sum of its model calls' latencies."""
+    seconds are the sum of its model calls' latencies. A chain that started at its answer step
+    from the final memory of the same chain without re-read (`memory_reused`) counts that step
+    alone."""
     details: dict[str, Any] = {"n_segments": len(document.segments)}
     if steps_before:
         details[EARLIER_SITTINGS_CALLS] = steps_before
+    n_calls = chain["steps_done"]
+    if memory_reused:
+        details[MEMORY_REUSED] = True
+        n_calls -= len(document.segments)
     done = chain["status"] == DONE
     return _prediction(
         sample,
@@ -232,7 +265,7 @@ def _stored_prediction(
         document_tokens=document.n_tokens,
         prompt_tokens=chain["prompt_tokens"],
         completion_tokens=chain["completion_tokens"],
-        n_calls=chain["steps_done"],
+        n_calls=n_calls,
         seconds=chain["compute_s"],
         status="ok" if done else "error",
         error=None
