@@ -87,7 +87,13 @@ class MemoryStage:
 
     async def _run_chain(self, document: Document, chain: PlannedChain) -> dict[str, Any]:
         segments = None if document.segments is None else list(document.segments)
-        work = ChainWork(chain.chain_key, chain.question, segments, document.page_starts or None)
+        work = ChainWork(
+            chain.chain_key,
+            chain.question,
+            segments,
+            document.page_starts or None,
+            memory_from=self.run.memory_key(document.content_sha256 or "", chain.question),
+        )
         outcome = await resume_chain(
             work, self._chain_runner, self.chain_config, self.store, self._in_store
         )

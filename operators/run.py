@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from connectors.state.store import ErrorRecord, StateStore
 from pipeline.config import DocumentLimits, MethodConfig
@@ -33,6 +33,14 @@ class RunContext:
 
     def chain_key(self, content_sha256: str, question: str) -> str:
         return chain_key(content_sha256, question, self.engine, self.method)
+
+    def memory_key(self, content_sha256: str, question: str) -> str | None:
+        """With a re-read budget: the key of the same chain answered from its memory alone,
+        whose final memory a re-reading chain starts its answer step from (ChainWork)."""
+        if not self.method.reread_tokens:
+            return None
+        alone = replace(self.method, reread_tokens=0)
+        return chain_key(content_sha256, question, self.engine, alone)
 
     def record_error(self, document: Document, stage: str, error_type: str, message: str) -> None:
         """The document leaves the stream: its errors row says where and why."""

@@ -113,6 +113,7 @@ class CorpusRun:
 
     store_url: str
     questions: tuple[Question, ...] = (Question("q0", QUESTION),)
+    method: MethodConfig = METHOD
     engines_opened: list[FactEngine] = field(default_factory=list)
     _engine: FactEngine | None = None
 
@@ -144,7 +145,7 @@ class CorpusRun:
 
     def _context(self, attempt: int) -> RunContext:
         spec = EngineSpec(model="fake-model", dtype="float32")
-        return RunContext(RUN_ID, attempt, self.store_url, spec, METHOD, self.questions)
+        return RunContext(RUN_ID, attempt, self.store_url, spec, self.method, self.questions)
 
 
 @pytest.fixture
@@ -202,6 +203,31 @@ def test_an_answered_document_never_reaches_the_memory_stage_and_starts_no_engin
     assert steps_written(corpus.store_url) == before
     (answer,) = corpus.store.answers(RUN_ID, 2)
     assert (answer["chain_key"], answer["status"], answer["answer"]) == (key, "done", ANSWER)
+
+
+def test_a_re_read_budget_over_an_answered_corpus_runs_only_the_answer_steps(
+    corpus: CorpusRun,
+) -> None:
+    """Re-read changes only the answer step: the answered chain's updates are not run again;
+    the new chain starts at its answer step from that chain's final memory."""
+    answered_key = corpus.chain_key(QUESTION)
+    corpus.attempt(FactEngine())
+    corpus.method = replace(METHOD, reread_tokens=40)
+    key = corpus.chain_key(QUESTION)
+    assert key != answered_key
+
+    engine = FactEngine()
+    (result,) = corpus.attempt(engine)
+    assert (result["status"], result["start_step"], result["steps_run"]) == (
+        "done",
+        N_STEPS - 1,
+        1,
+    )
+    assert engine.request_ids == [f"{key}:{N_STEPS - 1}"]
+    assert "<passages>" in engine.requests[0].prompt
+    assert prompt_memory(engine.requests[0]) == memory_after(len(FACTS))
+    (answer,) = corpus.store.answers(RUN_ID, 2)
+    assert (answer["chain_key"], answer["answer"]) == (key, ANSWER)
 
 
 def test_an_answered_chain_is_skipped_while_its_unfinished_sibling_resumes(
