@@ -7,6 +7,7 @@ import gzip
 import io
 import lzma
 import random
+import re
 import struct
 import sys
 import zipfile
@@ -143,6 +144,36 @@ def test_readable_pdfs_give_substantial_text_with_paragraphs(
 
 
 @needs_corpora
+def test_pdf_table_rows_keep_label_and_figures_on_one_line_on_their_page() -> None:
+    parsed = parse_corpus_file("qa/sec10q-dev/docs/2023 Q2 AAPL.pdf")
+
+    # The revenue table of Note 2 (page 10) and of the management's discussion (page 19, the
+    # page the sec10q question on it gives); pdfminer's text boxes alone put the labels
+    # ("iPhone", "Mac", ...) in one block and each column of figures in a later one.
+    rows = [" ".join(line.split()) for line in parsed.text.splitlines()]
+    assert "iPhone $ 51,334 $ 50,570 $ 117,109 $ 122,198" in rows
+    assert "Mac 7,168 10,435 14,903 21,287" in rows
+    assert "iPhone $ 51,334 $ 50,570 2 % $ 117,109 $ 122,198 (4)%" in rows
+    assert parsed.parser == "pdf:pdfminer-rows"
+    assert parsed.pages == 28
+    starts = parsed.page_starts
+    iphone_rows = [match.start() for match in re.finditer(r"iPhone \$ 51,334", parsed.text)]
+    assert [page_of(offset, starts) for offset in iphone_rows] == [10, 19]
+    assert "iPhone $ 51,334" in parsed.text[starts[9] : starts[10]]
+    assert parsed.text[starts[9] :].startswith("Note 2 \u2013 Revenue")
+    assert "iPhone $ 51,334" in parsed.text[starts[18] : starts[19]]
+    assert parsed.text[starts[18] :].startswith("Products and Services Performance")
+
+
+@needs_corpora
+def test_a_filing_with_an_array_over_pypdfs_default_limit_is_read() -> None:
+    """pypdf refuses arrays of over 100,000 elements by default; this 10-Q holds one."""
+    parsed = parse_corpus_file("qa/sec10q-dev/docs/2023 Q1 MSFT.pdf")
+    assert parsed.pages == 72 and not parsed.warnings
+    assert len(parsed.text) > 100_000
+
+
+@needs_corpora
 def test_damaged_pdfs_print_nothing(capfd: pytest.CaptureFixture[str]) -> None:
     parse_corpus_file("pdfs/bad/corrupted-zen_of_python.pdf")
     corpus_parse_error("pdfs/bad/broken-invalid-pages-unreadablemetadata.pdf")
@@ -205,6 +236,30 @@ def test_pdf_pages_without_text_layer_are_reported() -> None:
     assert parsed.page_starts == (0, 11, 13)
     assert page_of(parsed.text.index("three"), parsed.page_starts) == 3
     assert page_of(parsed.text.index("one"), parsed.page_starts) == 1
+
+
+def test_pdf_table_figures_join_the_line_of_their_row_label() -> None:
+    def cells(size: int, placed: list[tuple[int, int, str]]) -> bytes:
+        return b" ".join(
+            b"BT /F1 %d Tf %d %d Td (%s) Tj ET" % (size, x, y, text.encode())
+            for x, y, text in placed
+        )
+
+    table = [(20, 250, "Revenue"), (200, 250, "1,234"), (20, 232, "Costs"), (200, 232, "(567)")]
+    prose = [(20, 200, "Some prose under the table, 2024")]
+    pdf = make_pdf([cells(10, table + prose), cells(0, [(20, 250, "Nil"), (200, 250, "12")])])
+
+    parsed = parse_document(pdf, "table.pdf")
+
+    # a column of figures 180 pt to the right of its labels: without the join, pdfminer's text
+    # has "Revenue" and "1,234" in different blocks; the zero-size text must not break it
+    first_page = parsed.text[: parsed.page_starts[1]]
+    assert first_page.split("\n\n")[:3] == [
+        "Revenue 1,234",
+        "Costs (567)",
+        "Some prose under the table, 2024",
+    ]
+    assert parsed.parser == "pdf:pdfminer-rows" and parsed.warnings == ()
 
 
 def test_pdf_with_blank_pages_only_is_empty() -> None:

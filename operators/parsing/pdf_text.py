@@ -1,4 +1,13 @@
-"""PDF: text per page with pdfminer.six, damage and encryption told apart.
+"""PDF: text per page with pdfminer.six, a table's rows kept on one line each, damage and
+encryption told apart.
+
+pdfminer's layout puts a table's labels in one text box and each column of figures in another,
+so its text read "iPhone", "Mac", ... and many lines later "51,334", "7,168", ...; `_rows` moves
+each figure-only line onto its row's label line ("iPhone $ 51,334 $ 50,570 ..."), and every
+other box keeps pdfminer's reading order. bench/pdf_tables.py (bench/results/pdf_tables.md)
+measured this against pdfplumber's text (with and without layout), pypdfium2's and a wider
+pdfminer char_margin on 10-Q filings, the CUAD contracts and multi-column reports: the others
+read lines across the columns of multi-column pages, lose paragraph breaks or cost more time.
 
 unstructured's `partition_pdf(strategy="fast")` was measured against it on the CUAD contracts
 (bench/pdf_parsers.py): it joins the words at line breaks ("choice oflaw"), so 0.391 of the gold
@@ -7,9 +16,11 @@ longer reports; memstream does not use it."""
 
 from __future__ import annotations
 
+import bisect
 import functools
 import io
 import logging
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +49,8 @@ _PDF_DAMAGE_LOGGERS = (
     "pdfminer.psparser",
 )
 _MAX_LISTED_PAGES = 10
+_MAX_PDF_ARRAY_ELEMENTS = 2_000_000
+_PARSER = "pdf:pdfminer-rows"  # pdfminer's layout, a table's figures on their row's line
 
 
 class _LibraryWarningCollector(logging.Handler):
@@ -127,15 +140,18 @@ def parse_pdf(data: bytes, max_pages: int) -> ParsedText:
 
 def _open_pdf(data: bytes) -> tuple[Any, int]:
     """Open with pypdf to classify the file: encrypted, broken, or readable with N pages."""
-    from pypdf import PasswordType, PdfReader
+    from pypdf import PasswordType, PdfReader, apply_configuration
     from pypdf.errors import DependencyError
 
     try:
-        reader = PdfReader(io.BytesIO(data), strict=False)
-        # An empty user password is common ("owner password only") and opens silently.
-        if reader.is_encrypted and reader.decrypt("") == PasswordType.NOT_DECRYPTED:
-            raise ParseError("password required")
-        return reader, len(reader.pages)
+        # A 10-Q of the shared corpora holds an array of over 100,000 elements, pypdf's default
+        # limit; a larger bound still stops a hostile one.
+        with apply_configuration(array_maximum_element_count=_MAX_PDF_ARRAY_ELEMENTS):
+            reader = PdfReader(io.BytesIO(data), strict=False)
+            # An empty user password is common ("owner password only") and opens silently.
+            if reader.is_encrypted and reader.decrypt("") == PasswordType.NOT_DECRYPTED:
+                raise ParseError("password required")
+            return reader, len(reader.pages)
     except ParseError:
         raise
     except DependencyError as exc:
@@ -159,18 +175,24 @@ def _extract_pdf_text_with_pdfminer(data: bytes) -> _PdfExtraction:
             page_text = TRAILING_SPACES.sub("\n", page_text)
             page_texts[len(page_texts) + 1] = EXTRA_BLANK_LINES.sub("\n\n", page_text).strip()
     except Exception as exc:
-        return _PdfExtraction(page_texts, "pdf:pdfminer", failure=exc)
-    return _PdfExtraction(page_texts, "pdf:pdfminer")
+        return _PdfExtraction(page_texts, _PARSER, failure=exc)
+    return _PdfExtraction(page_texts, _PARSER)
 
 
 def _layout_text(layout_item: Any) -> str:
-    """Text of a pdfminer layout tree, one blank line after each text box (as pdf2txt does)."""
-    from pdfminer.layout import LTContainer, LTText, LTTextBox
+    """Text of a pdfminer layout tree, one blank line after each text box (as pdf2txt does),
+    with a table's figures on the line of their row's label (`_rows`)."""
+    from pdfminer.layout import LTContainer, LTText, LTTextBox, LTTextLineHorizontal
 
+    joined, moved = _rows(layout_item)
     parts: list[str] = []
 
     def collect(item: Any) -> None:
-        if isinstance(item, LTContainer):
+        if isinstance(item, LTTextLineHorizontal) and (id(item) in moved or id(item) in joined):
+            if id(item) in joined:
+                figures = " ".join(line.get_text().strip() for line in joined[id(item)])
+                parts.append(f"{item.get_text().rstrip()} {figures}\n")
+        elif isinstance(item, LTContainer):
             for child in item:
                 collect(child)
         elif isinstance(item, LTText):
@@ -180,6 +202,81 @@ def _layout_text(layout_item: Any) -> str:
 
     collect(layout_item)
     return "".join(parts)
+
+
+# A table cell: a figure such as 39,669, (1,234), 12.5% or $3.5, or a lone "$" or dash.
+_FIGURE_CELL = re.compile(r"[\d\s$€£¥%().,+\-\u2013\u2014]+")  # \u2013, \u2014: en, em dash
+_SHORT_CELL = 2  # characters, for a cell without a digit ("$", "—")
+_PARAGRAPH_LINE = 60  # characters: the median line of a box of running text is this long
+
+
+def _is_figure_cell(text: str) -> bool:
+    text = text.strip()
+    return bool(_FIGURE_CELL.fullmatch(text)) and (
+        any(c.isdigit() for c in text) or len(text.replace(" ", "")) <= _SHORT_CELL
+    )
+
+
+def _is_paragraph(lines: list[Any]) -> bool:
+    """Lines of running text, not a column of row labels: a figure beside them is not theirs."""
+    lengths = sorted(len(line.get_text().strip()) for line in lines)
+    return len(lengths) > 1 and lengths[len(lengths) // 2] >= _PARAGRAPH_LINE
+
+
+def _rows(layout_item: Any) -> tuple[dict[int, list[Any]], set[int]]:
+    """Where a table's figures go. pdfminer cuts a text line at a gap wider than two characters,
+    so a row's label and its figures land in different text boxes, one per column, and the
+    labels come out many lines before their figures. Each line of a box that holds only figures
+    is moved onto the line of another box that ends to its left on the same row (the one that
+    shares the most of its height, then the nearest). Returns the label lines' ids with their
+    figure lines in left-to-right order, and the ids of the lines moved."""
+    from pdfminer.layout import LTContainer, LTTextBox, LTTextLineHorizontal
+
+    boxes: list[Any] = []
+
+    def find_boxes(item: Any) -> None:
+        if isinstance(item, LTTextBox):
+            boxes.append(item)
+        elif isinstance(item, LTContainer):
+            for child in item:
+                find_boxes(child)
+
+    find_boxes(layout_item)
+    figures, others = [], []
+    for box in boxes:
+        lines = [line for line in box if isinstance(line, LTTextLineHorizontal)]
+        cells = [line for line in lines if _is_figure_cell(line.get_text())]
+        if 2 * len(cells) > len(lines):  # a column of figures, maybe under a heading
+            figures.extend(cells)
+            others.extend(line for line in lines if not _is_figure_cell(line.get_text()))
+        elif not _is_paragraph(lines):
+            others.extend(lines)
+    if not figures or not others:
+        return {}, set()
+    others.sort(key=lambda line: line.y0)
+    bottoms = [line.y0 for line in others]
+    tallest = max(line.height for line in others)
+    joined: dict[int, list[Any]] = {}
+    for figure in figures:
+        best, best_key = None, (0.0, 0.0)
+        low = bisect.bisect_left(bottoms, figure.y0 - tallest)
+        high = bisect.bisect_right(bottoms, figure.y1)
+        for line in others[low:high]:
+            overlap = min(line.y1, figure.y1) - max(line.y0, figure.y0)
+            if (
+                line.x1 > figure.x0 + 1
+                or overlap <= 0
+                or overlap < 0.5 * min(line.height, figure.height)
+            ):
+                continue
+            key = (overlap / max(line.height, figure.height), line.x1)
+            if key > best_key:
+                best, best_key = line, key
+        if best is not None:
+            joined.setdefault(id(best), []).append(figure)
+    for row in joined.values():
+        row.sort(key=lambda line: line.x0)
+    return joined, {id(line) for row in joined.values() for line in row}
 
 
 def _pdf_damage_warnings(
