@@ -10,8 +10,8 @@ Candidates (each gives one text per page; every page then gets memstream's clean
   default char_margin, 2, cuts a line at a gap wider than two characters, so a row's label and
   its figures land in separate boxes, one per column.
 - pdfminer-rows: memstream's `parse_pdf` now (operators/parsing/pdf_text.py,
-  `_extract_pdf_text_with_pdfminer`, called directly): the same layout, with each line of a
-  box that holds only figures moved onto the line of its row's label (see `_rows` there).
+  `_extract_pdf_text_with_pdfminer`, called directly): the same layout, with each figure line
+  of a box that is mostly figures moved onto the line of its row's label (`_rows` there).
 - pdfminer-wide: the old text with `LAParams(all_texts=True, char_margin=200)`: characters
   that follow each other in the content stream on one baseline stay on one text line however
   far apart.

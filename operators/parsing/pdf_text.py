@@ -207,7 +207,6 @@ def _layout_text(layout_item: Any) -> str:
 # A table cell: a figure such as 39,669, (1,234), 12.5% or $3.5, or a lone "$" or dash.
 _FIGURE_CELL = re.compile(r"[\d\s$€£¥%().,+\-\u2013\u2014]+")  # \u2013, \u2014: en, em dash
 _SHORT_CELL = 2  # characters, for a cell without a digit ("$", "—")
-_PARAGRAPH_LINE = 60  # characters: the median line of a box of running text is this long
 
 
 def _is_figure_cell(text: str) -> bool:
@@ -217,19 +216,14 @@ def _is_figure_cell(text: str) -> bool:
     )
 
 
-def _is_paragraph(lines: list[Any]) -> bool:
-    """Lines of running text, not a column of row labels: a figure beside them is not theirs."""
-    lengths = sorted(len(line.get_text().strip()) for line in lines)
-    return len(lengths) > 1 and lengths[len(lengths) // 2] >= _PARAGRAPH_LINE
-
-
 def _rows(layout_item: Any) -> tuple[dict[int, list[Any]], set[int]]:
     """Where a table's figures go. pdfminer cuts a text line at a gap wider than two characters,
     so a row's label and its figures land in different text boxes, one per column, and the
-    labels come out many lines before their figures. Each line of a box that holds only figures
-    is moved onto the line of another box that ends to its left on the same row (the one that
-    shares the most of its height, then the nearest). Returns the label lines' ids with their
-    figure lines in left-to-right order, and the ids of the lines moved."""
+    labels come out many lines before their figures. Each figure line of a box that is mostly
+    figures (a column of them, perhaps under a heading) is moved onto the line of another box
+    that ends to its left on the same row (the one that shares the most of its height, then the
+    nearest). Returns the label lines' ids with their figure lines in left-to-right order, and
+    the ids of the lines moved."""
     from pdfminer.layout import LTContainer, LTTextBox, LTTextLineHorizontal
 
     boxes: list[Any] = []
@@ -245,11 +239,11 @@ def _rows(layout_item: Any) -> tuple[dict[int, list[Any]], set[int]]:
     figures, others = [], []
     for box in boxes:
         lines = [line for line in box if isinstance(line, LTTextLineHorizontal)]
-        cells = [line for line in lines if _is_figure_cell(line.get_text())]
-        if 2 * len(cells) > len(lines):  # a column of figures, maybe under a heading
-            figures.extend(cells)
-            others.extend(line for line in lines if not _is_figure_cell(line.get_text()))
-        elif not _is_paragraph(lines):
+        cells = {id(line) for line in lines if _is_figure_cell(line.get_text())}
+        if 2 * len(cells) > len(lines):
+            figures.extend(line for line in lines if id(line) in cells)
+            others.extend(line for line in lines if id(line) not in cells)
+        else:
             others.extend(lines)
     if not figures or not others:
         return {}, set()
