@@ -233,9 +233,9 @@ def cpu() -> dict[str, Any]:
     }
 
 
-def versions() -> dict[str, str | None]:
+def versions(packages: tuple[str, ...] = VERSIONED) -> dict[str, str | None]:
     found: dict[str, str | None] = {}
-    for package in VERSIONED:
+    for package in packages:
         try:
             found[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:

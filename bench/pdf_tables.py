@@ -56,7 +56,6 @@ Metrics:
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import io
 import itertools
 import logging
@@ -69,7 +68,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import common
-from pdf_parsers import LABELS, gold_spans, span_hits
+from pdf_parsers import LABELS, gold_spans, span_hits, versions
 
 from operators.parsing.base import EXTRA_BLANK_LINES, TRAILING_SPACES, normalize_newlines
 from operators.parsing.pdf_text import _extract_pdf_text_with_pdfminer
@@ -433,7 +432,7 @@ def main() -> None:
         {
             "rounds": args.rounds,
             "measure_wall_seconds": wall,
-            "versions": versions(),
+            "versions": versions(VERSIONED),
             "pages": pages_by_group,
             "summary": summary,
             "documents": per_document,
@@ -447,16 +446,6 @@ def json_labels() -> dict[str, Any]:
     import json
 
     return json.loads(LABELS.read_text(encoding="utf-8"))
-
-
-def versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {}
-    for package in VERSIONED:
-        try:
-            found[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            found[package] = None
-    return found
 
 
 def render(summary: dict[str, dict[str, Any]], pages: dict[str, int], rounds: int) -> str:
@@ -487,7 +476,7 @@ def render(summary: dict[str, dict[str, Any]], pages: dict[str, int], rounds: in
         "",
         f"Pages: {', '.join(f'{n} {group}' for group, n in pages.items())}; {rounds} timed "
         "rounds, median per document. Versions: "
-        + ", ".join(f"{k} {v}" for k, v in versions().items() if v)
+        + ", ".join(f"{k} {v}" for k, v in versions(VERSIONED).items() if v)
         + ".",
         "",
         *common.table(header, body),
