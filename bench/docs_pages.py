@@ -242,6 +242,7 @@ def files_page() -> str:
             job.rstrip(),
             "```",
             "",
+            *job_keys(),
             "## Server settings",
             "",
             "`serving/example-config.yaml`, for `memstream serve --config FILE`: every setting "
@@ -251,8 +252,73 @@ def files_page() -> str:
             serving.rstrip(),
             "```",
             "",
+            *serve_keys(),
         ]
     )
+
+
+def job_keys() -> list[str]:
+    from pipeline.cli.run import FLAGS
+    from pipeline.config import DocumentLimits, MethodConfig
+    from pipeline.engines.factory import EngineSpec
+    from pipeline.job import ConcurrencySpec, JobSpec, OutputSpec
+
+    sections = {
+        None: JobSpec, "output": OutputSpec, "engine": EngineSpec, "method": MethodConfig,
+        "limits": DocumentLimits, "concurrency": ConcurrencySpec,
+    }  # fmt: skip
+    intro = (
+        "Every key of a job file, from the records that declare them (`pipeline.job.JobSpec` "
+        "and its sections), with the `memstream run` flag that overrides it."
+    )
+    return keys_section("### Job file keys", intro, sections, FLAGS)
+
+
+def serve_keys() -> list[str]:
+    from pipeline.config import MethodConfig
+    from pipeline.engines.factory import EngineSpec
+    from serving.cli import FLAGS
+    from serving.config import ServerConfig
+
+    sections = {"server": ServerConfig, "engine": EngineSpec, "method": MethodConfig}
+    intro = (
+        "The server settings a `memstream serve` flag overrides, from the records that declare "
+        "them; the file above shows the other sections."
+    )
+    return keys_section("### Server setting keys", intro, sections, FLAGS)
+
+
+def keys_section(
+    heading: str, intro: str, sections: dict[str | None, type], flags: list[Any]
+) -> list[str]:
+    """A table of each leaf key of `sections`: its default, its meaning and its flag."""
+    from pipeline.cli.flags import is_section, setting_flags, settings_fields
+
+    flag_of = {
+        (flag.section, flag.key): " ".join(
+            f"`{name}`" for name in (flag.marker.short, flag.flag, flag.marker.negative) if name
+        )
+        for flag in flags
+    }
+    lines = [heading, "", intro, "", "| key | default | meaning | flag |", "|---|---|---|---|"]
+    for section, record in sections.items():
+        generated = {flag.key: flag for flag in setting_flags(record, section)}
+        for key, info in settings_fields(record).items():
+            if is_section(info):
+                continue  # its own rows follow
+            setting = generated.get(key)
+            default = setting.shown_default() if setting else None
+            if setting is None and not info.is_required() and info.default_factory is None:
+                default = None if info.default is None else str(info.default)
+            if not info.is_required() and info.default == ():
+                default = None
+            dotted = f"{section}.{key}" if section else key
+            flag = flag_of.get((section, key))
+            lines.append(
+                f"| `{dotted}` | {cell(default or '')} | {cell(info.description or '')} | "
+                f"{flag or ''} |"
+            )
+    return [*lines, ""]
 
 
 def endpoint_page() -> str:

@@ -17,6 +17,7 @@ from pipeline.core.chain import (
     ChainConfig,
 )
 from pipeline.core.segmentation import REFERENCE_CHUNK_SIZE, SegmentationConfig
+from pipeline.core.settings import Flag
 from pipeline.core.templates import (
     REFERENCE,
     REREAD_DIGEST,
@@ -42,18 +43,63 @@ MEASURED_DEFAULT_TEMPLATES: dict[str, str] = {
 }
 
 
+# The method's settings, declared once: `MethodConfig` holds them all; a record that carries
+# some of them (`memstream train`'s settings, `memstream eval`'s recorded ones) takes the same
+# declaration, with a default of its own where its work needs one.
+ChunkSize = Annotated[
+    int, Field(gt=0, description="tokens of the document per segment, read in one memory update")
+]
+SnapWindow = Annotated[
+    int,
+    Field(
+        ge=0,
+        description="move chunk boundaries back up to N tokens to a line break or space; 0: exact",
+    ),
+]
+MaxMemoryTokens = Annotated[
+    int, Field(gt=0, description="new tokens per memory update: the memory's budget")
+]
+MaxAnswerTokens = Annotated[int, Field(gt=0, description="new tokens for the final answer")]
+TemplateName = Annotated[
+    str,
+    Field(description="memory strategy: a template set (docs/guide/memory-strategies.md)"),
+    Flag(default_text="the model's best measured; memagent-reference for others"),
+]
+Temperature = Annotated[float, Field(ge=0, description="sampling temperature; 0: greedy")]
+TopP = Annotated[
+    float,
+    Field(
+        gt=0,
+        le=1,
+        description="nucleus sampling: sample among the likeliest tokens whose probabilities "
+        "add up to this",
+    ),
+]
+Seed = Annotated[int, Field(description="seeds sampling, and the samples `eval` and `train` build")]
+RereadTokens = Annotated[
+    int,
+    Field(
+        ge=0,
+        description="tokens of the document re-read at answer time: the passages that the "
+        "question and the final memory point to; 0: answer from the memory alone, as published",
+    ),
+    Flag(metavar="N"),
+]
+
+
 @dataclass(frozen=True)
 class MethodConfig:
-    chunk_size: int = REFERENCE_CHUNK_SIZE
-    snap_window: int = 0
-    max_memory_tokens: int = REFERENCE_MAX_MEMORY_TOKENS
-    max_answer_tokens: int = REFERENCE_MAX_ANSWER_TOKENS
-    template: str = REFERENCE.name
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    # Tokens of passages re-read at answer time; 0 answers from the memory alone (published).
-    reread_tokens: int = 0
+    """How a memory chain reads a document and answers: segmentation, memory, sampling."""
+
+    chunk_size: ChunkSize = REFERENCE_CHUNK_SIZE
+    snap_window: SnapWindow = 0
+    max_memory_tokens: MaxMemoryTokens = REFERENCE_MAX_MEMORY_TOKENS
+    max_answer_tokens: MaxAnswerTokens = REFERENCE_MAX_ANSWER_TOKENS
+    template: TemplateName = REFERENCE.name
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    seed: Seed = 0
+    reread_tokens: RereadTokens = 0
 
     def __post_init__(self) -> None:
         # Build every part once so an invalid value fails here, with the part's own message.
@@ -132,10 +178,12 @@ class DocumentLimits:
             description="characters of parsed text; about 4 characters a token, the default "
             "holds a 16M-token document",
         ),
+        Flag(name="--max-document-chars"),
     ] = 64_000_000
     max_tokens: Annotated[
         int,
         Field(gt=0, description="tokens of the parsed text, counted by the model's tokenizer"),
+        Flag(name="--max-document-tokens"),
     ] = 16_000_000
     max_pdf_pages: Annotated[
         int, Field(gt=0, description="pages of a PDF, counted before its text is extracted")

@@ -31,12 +31,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 import yaml
 from platformdirs import user_cache_dir
+from pydantic import Field
 
 from connectors import OutputError, Source, SourceError, check_output, open_output, open_source
 from connectors.base import coerce_questions
@@ -62,6 +63,7 @@ from pipeline.config import (
     with_default_template,
 )
 from pipeline.core.chain import CHARS_PER_TOKEN
+from pipeline.core.settings import Flag
 from pipeline.engines.base import EngineError
 from pipeline.engines.factory import (
     COMPILE_PAYS_OFF_TOKENS,
@@ -90,9 +92,21 @@ class ExportError(RuntimeError):
 
 @dataclass(frozen=True)
 class OutputSpec:
-    uri: str  # a local folder or s3://bucket/prefix
-    s3_endpoint_url: str | None = None
-    s3_max_attempts: int = S3_MAX_ATTEMPTS  # of each S3 call (connectors.output)
+    """Where a run's tables go: OUTPUT/RUN_ID/answers.parquet, trajectory, errors."""
+
+    uri: Annotated[
+        str,
+        Field(description="a local folder or s3://bucket/prefix"),
+        Flag(name="--output", metavar="URI"),
+    ]
+    s3_endpoint_url: Annotated[
+        str | None,
+        Field(description="an S3-compatible store's endpoint for an s3:// output; unset: AWS"),
+        Flag(metavar="URL"),
+    ] = None
+    s3_max_attempts: Annotated[
+        int, Field(gt=0, description="attempts of each S3 call, with backoff between them")
+    ] = S3_MAX_ATTEMPTS
 
     def __post_init__(self) -> None:
         if not self.uri.strip():
@@ -107,18 +121,32 @@ class OutputSpec:
 
 @dataclass(frozen=True)
 class ConcurrencySpec:
-    actors: int = 1  # memory-stage actors, each with its own engine
-    max_active_chains: int = 64  # chains one actor runs at once
-    # Batches one actor holds at once: their chains run together, and the window in which
-    # longest-first scheduling chooses.
-    batches_in_flight: int = 32
-    batch_size: int = 1  # documents per memory-stage batch
-    num_gpus: float = 0.0  # per actor
-    num_cpus: float = 1.0  # per actor
-    read_tasks: int = 2  # read/parse/segment tasks at once
-    # longest-first: the chains with most document tokens left get the engine and free slots
-    # first, so the longest document is not the tail of the run; source-order: as they come.
-    schedule: Literal["longest-first", "source-order"] = "longest-first"
+    """How much of the job runs at once, and where."""
+
+    actors: Annotated[
+        int, Field(ge=1, description="memory-stage actors (engines), one engine each")
+    ] = 1
+    max_active_chains: Annotated[int, Field(ge=1, description="chains one actor runs at once")] = 64
+    batches_in_flight: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="batches one actor holds at once: their chains run together, and the "
+            "window in which longest-first scheduling chooses",
+        ),
+    ] = 32
+    batch_size: Annotated[int, Field(ge=1, description="documents per memory-stage batch")] = 1
+    num_gpus: Annotated[float, Field(ge=0, description="GPUs per memory-stage actor")] = 0.0
+    num_cpus: Annotated[float, Field(ge=0, description="CPUs per memory-stage actor")] = 1.0
+    read_tasks: Annotated[int, Field(ge=1, description="read, parse and segment tasks at once")] = 2
+    schedule: Annotated[
+        Literal["longest-first", "source-order"],
+        Field(
+            description="which chains the engine serves first; longest-first: those with most "
+            "document tokens left, so the longest document is not the tail of the run; "
+            "source-order: as they come"
+        ),
+    ] = "longest-first"
 
     def __post_init__(self) -> None:
         for name in ("actors", "max_active_chains", "batches_in_flight", "batch_size"):
@@ -134,20 +162,56 @@ class ConcurrencySpec:
 class JobSpec:
     __pydantic_config__ = STRICT_KEYS
 
-    sources: tuple[str | dict[str, Any], ...]  # each as `connectors.open_source` takes it
+    sources: Annotated[
+        tuple[str | dict[str, Any], ...],
+        Field(
+            description="the documents: a path, glob, folder or s3://bucket/prefix, or a mapping "
+            "as connectors.open_source takes it"
+        ),
+        Flag(name="--input", metavar="URI", repeat=True),
+    ]
     output: OutputSpec
-    questions: tuple[str, ...] = ()  # asked of every document (ids q0, q1, ...)
-    questions_file: str | None = None  # more of them: one a line, or a JSON list
-    schema: dict[str, str] = field(default_factory=dict)  # field name -> question (id = field)
+    questions: Annotated[
+        tuple[str, ...],
+        Field(description="a question asked of every document (ids q0, q1, ...)"),
+        Flag(name="--question", short="-q", metavar="Q", repeat=True),
+    ] = ()
+    questions_file: Annotated[
+        str | None,
+        Field(description="more questions: one a line, or a JSON list"),
+        Flag(name="--questions", metavar="FILE"),
+    ] = None
+    schema: Annotated[
+        dict[str, str],
+        Field(description="field name -> question, the field name being the question's id"),
+    ] = field(default_factory=dict)
     engine: EngineSpec = field(default_factory=EngineSpec)
     method: MethodConfig = field(default_factory=MethodConfig)
     limits: DocumentLimits = field(default_factory=DocumentLimits)  # of one document
-    # SQLAlchemy URL (kept out of repr: it may hold a password); default: SQLite beside the output
-    state_store: str | None = field(default=None, repr=False)
-    # default: `<job key>-<n>`, a new one per run; the unfinished one is resumed
-    run_id: str | None = None
+    # Kept out of repr: it may hold a password.
+    state_store: Annotated[
+        str | None,
+        Field(
+            description="SQLAlchemy URL of the checkpoints; unset: SQLite beside the output "
+            "(an s3:// output's in the user cache folder)"
+        ),
+        Flag(metavar="URL"),
+    ] = field(default=None, repr=False)
+    run_id: Annotated[
+        str | None,
+        Field(
+            description="the run to start or resume; unset: <job key>-<n>, a new one per run, "
+            "the unfinished one resumed"
+        ),
+    ] = None
     concurrency: ConcurrencySpec = field(default_factory=ConcurrencySpec)
-    ray_address: str | None = None  # default: the running Ray session, else a local one
+    ray_address: Annotated[
+        str | None,
+        Field(
+            description="Ray cluster to run on; unset: the running Ray session, else a local one"
+        ),
+        Flag(metavar="ADDRESS"),
+    ] = None
 
     def __post_init__(self) -> None:
         if not self.sources:

@@ -22,17 +22,28 @@ from typing import Any
 import psutil
 
 from pipeline.cli import terminal
-from pipeline.cli.flags import EXIT_USAGE
+from pipeline.cli.flags import (
+    ENGINE_FLAGS,
+    EXIT_USAGE,
+    METHOD_FLAGS,
+    add_engine_arguments,
+    add_method_arguments,
+    add_setting_flags,
+    setting_flags,
+    setting_overrides,
+)
 from pipeline.config import ConfigError
-from pipeline.engines.hardware import DTYPE_HELP, DTYPES
 from pipeline.engines.reaper import end_processes, start_descendants_watchdog
-from serving.config import ServingConfig, load_config
+from serving.config import ServerConfig, ServingConfig, load_config
 from serving.security import ApiKeys, api_keys_of
 
 EXIT_START_FAILED = 1
 # Between SIGTERM and SIGKILL for what a private Ray instance leaves. Ray gives its own processes
 # 1 s; its agents and workers whose raylet is gone were all still there 5 s after a SIGTERM.
 RAY_LEFTOVERS_GRACE_S = 2.0
+# The settings a flag can give over the config file; the file gives the other sections.
+SERVER_FLAGS = setting_flags(ServerConfig, "server")
+FLAGS = [*SERVER_FLAGS, *ENGINE_FLAGS, *METHOD_FLAGS]
 
 
 def register(subparsers: Any) -> None:
@@ -46,13 +57,9 @@ def register(subparsers: Any) -> None:
         type=Path,
         help="YAML settings, as in serving/example-config.yaml (default: the embedded ones)",
     )
-    parser.add_argument(
-        "--host",
-        help="listen address; any but loopback needs API keys (default: the config's, else "
-        "127.0.0.1)",
-    )
-    parser.add_argument("--port", type=int, help="listen port (default: the config's, else 8000)")
-    parser.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP + " (overrides engine.dtype)")
+    add_setting_flags(parser.add_argument_group("server (overrides --config)"), SERVER_FLAGS)
+    add_engine_arguments(parser, title="engine (overrides --config)")
+    add_method_arguments(parser, title="method (overrides --config)")
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="show what Ray Serve and vLLM print"
     )
@@ -69,9 +76,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from connectors.state.store import StateStore
     from pipeline.engines import models
 
-    config = load_config(args.config).with_server(args.host, args.port)
-    engine = config.engine if args.dtype is None else replace(config.engine, dtype=args.dtype)
-    config = replace(config, engine=engine.resolved())
+    config = load_config(args.config, setting_overrides(args, FLAGS))
+    config = replace(config, engine=config.engine.resolved())
     if args.print_config:
         print(yaml.safe_dump(config.as_dict(), sort_keys=False), end="")
         return 0

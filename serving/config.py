@@ -14,9 +14,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import Field
 
 from pipeline.config import (
     STRICT_KEYS,
@@ -35,8 +36,12 @@ LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    """Where the HTTP API listens."""
+
+    host: Annotated[str, Field(description="listen address; any but loopback needs API keys")] = (
+        "127.0.0.1"
+    )
+    port: Annotated[int, Field(description="listen port, 1 to 65535")] = 8000
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -257,15 +262,26 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def load_config(path: Path | None) -> ServingConfig:
-    """The embedded defaults, overridden by the YAML file at `path` when given."""
-    if path is None:
-        return config_from_mapping({})
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from None
-    return config_from_mapping({} if data is None else data, where=str(path))
+def load_config(
+    path: Path | None, overrides: Mapping[str, Mapping[str, Any]] | None = None
+) -> ServingConfig:
+    """The embedded defaults, overridden by the YAML file at `path` when given, and that by
+    `overrides` (e.g. from command-line flags), section by section."""
+    data: Any = {}
+    where = "config" if path is None else str(path)
+    if path is not None:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path}: not valid YAML: {error}") from None
+        data = {} if data is None else data
+    if overrides and isinstance(data, Mapping):
+        data = dict(data)
+        for section, values in overrides.items():
+            given = data.get(section)
+            data[section] = {**given, **values} if isinstance(given, Mapping) else dict(values)
+        where += " and the command line" if path is not None else ""
+    return config_from_mapping(data, where=where)
 
 
 # Sections whose defaults differ from their type's: a partial section keeps the other defaults.

@@ -340,35 +340,148 @@ def test_env_json_reports_the_machine_and_the_dtype_auto_picks() -> None:
     assert json.loads(with_env.stdout)["dtype"] == "float16"
 
 
-def test_every_flag_is_a_setting_of_the_config_it_fills() -> None:
-    """Flags, YAML keys and Python fields cannot drift apart: each `run` flag names a field of
-    its job-spec section, and the shared engine and method flags build their records."""
+# The settings of each command that takes them: config section -> the record declaring them.
+def commands_and_their_settings() -> dict[str, dict[str | None, type]]:
+    from pipeline.config import DocumentLimits, MethodConfig
+    from pipeline.engines.factory import EngineSpec
+    from pipeline.job import ConcurrencySpec, JobSpec, OutputSpec
+    from pipeline.training.config import TrainConfig
+    from serving.config import ServerConfig
+
+    chains = {"engine": EngineSpec, "method": MethodConfig}
+    return {
+        "run": {
+            None: JobSpec, "output": OutputSpec, **chains, "limits": DocumentLimits,
+            "concurrency": ConcurrencySpec,
+        },
+        "ask": chains,
+        "demo": chains,
+        "eval": chains,
+        "serve": {"server": ServerConfig, **chains},
+        "train": {None: TrainConfig, **chains},
+    }  # fmt: skip
+
+
+TRAINER_CHOOSES = "the trainer's rollout engine is vLLM in process, eager, float32, no lookup"
+# (command, "section.key") -> why that setting has no flag there ("*": on every command).
+WITHOUT_A_FLAG = {
+    ("*", "engine.engine_kwargs"): "a mapping of vLLM's own arguments: a file's key only",
+    ("run", "schema"): "a mapping of field names to questions: the job file's key only",
+    ("eval", "method.template"): "--methods names each configuration's template set",
+    ("eval", "method.reread_tokens"): "--methods names each configuration's re-read budget",
+    ("eval", "method.snap_window"): "eval reads at exact boundaries, as its results record",
+    ("train", "method.snap_window"): "training chains read at exact boundaries",
+    ("train", "method.reread_tokens"): "training chains answer from the memory alone",
+    **{
+        ("train", f"engine.{key}"): TRAINER_CHOOSES
+        for key in (
+            "kind", "dtype", "tensor_parallel_size", "gpu_memory_utilization", "enforce_eager",
+            "prompt_lookup_tokens", "base_url", "served_model", "api_key_env", "timeout_s",
+            "max_retries", "max_concurrency", "tokenizer",
+        )
+    },
+}  # fmt: skip
+
+
+def test_every_setting_has_a_flag_on_each_command_that_takes_it() -> None:
+    """Flags, YAML keys and Python fields cannot drift apart: every leaf field of the records a
+    command takes has its flag there, generated from the field (help: its description), but
+    for the listed ones, and none of the listed ones has one."""
     import argparse
     import dataclasses
-    from typing import get_type_hints
 
-    from pipeline.cli.flags import (
-        add_engine_arguments,
-        add_method_arguments,
-        engine_spec,
-        method_config,
+    from pydantic import BaseModel
+
+    from pipeline.cli.flags import setting_flags, settings_fields
+    from pipeline.cli.main import build_parser
+
+    def is_record(annotation: object) -> bool:
+        kinds = [annotation, *getattr(annotation, "__args__", ())]
+        return any(
+            dataclasses.is_dataclass(kind)
+            or (isinstance(kind, type) and issubclass(kind, BaseModel))
+            for kind in kinds
+        )
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing, listed_but_flagged = [], []
+    for command, sections in commands_and_their_settings().items():
+        options = {
+            option: action
+            for action in commands.choices[command]._actions
+            for option in action.option_strings
+        }
+        for section, record in sections.items():
+            generated = {flag.key: flag for flag in setting_flags(record, section)}
+            for key, info in settings_fields(record).items():
+                if is_record(info.annotation):
+                    continue  # a section: its own record is checked
+                dotted = f"{section}.{key}" if section else key
+                excused = {(command, dotted), ("*", dotted)} & set(WITHOUT_A_FLAG)
+                flag = generated.get(key)
+                has_flag = flag is not None and flag.flag in options
+                if has_flag and excused:
+                    listed_but_flagged.append((command, dotted))
+                elif not has_flag and not excused:
+                    missing.append((command, dotted))
+                elif has_flag and flag is not None and info.description:
+                    assert info.description in options[flag.flag].help.replace("%%", "%"), (
+                        command, dotted,
+                    )  # fmt: skip
+    assert not missing, f"settings without a flag: {missing}"
+    assert not listed_but_flagged, f"listed as flagless but flagged: {listed_but_flagged}"
+
+
+def test_train_and_eval_take_the_method_and_engine_settings_as_declared() -> None:
+    """A command may give a setting another default (the trainer's short chunks) but takes its
+    declaration: the same description, so the same meaning."""
+    from pipeline.cli.flags import settings_fields
+    from pipeline.config import MethodConfig
+    from pipeline.engines.factory import EngineSpec
+    from pipeline.evaluation.execution import EvalSettings
+    from pipeline.training.config import TrainConfig
+
+    method, engine = settings_fields(MethodConfig), settings_fields(EngineSpec)
+    declared = {**method, **engine, "kv_cache_gib": engine["cpu_kvcache_space_gib"]}
+    for record in (TrainConfig, EvalSettings):
+        shared = {key: info for key, info in settings_fields(record).items() if key in declared}
+        assert len(shared) >= 6, record
+        for key, info in shared.items():
+            assert info.description == declared[key].description, (record, key)
+    train = TrainConfig(output="x")  # type: ignore[arg-type]
+    assert (train.chunk_size, train.temperature) == (200, 1.0)  # its own defaults
+    assert EvalSettings(context_window=8192).chunk_size == MethodConfig().chunk_size
+
+
+def test_run_prompt_lookup_reaches_the_engine_spec(tmp_path: Path) -> None:
+    from pipeline.cli.flags import engine_spec, method_config
+    from pipeline.cli.main import build_parser
+    from pipeline.cli.run import spec_from_arguments
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["run", "--input", "docs", "-q", "Q?", "--output", str(tmp_path), "--prompt-lookup", "4"]
     )
-    from pipeline.cli.run import FLAG_KEYS
-    from pipeline.job import JobSpec
+    spec = spec_from_arguments(args)
+    assert spec.engine.prompt_lookup_tokens == 4
+    assert spec.engine.resolved(planned_chains=1000).prompt_lookup_tokens == 4  # as given
+    assert spec.sources == ("docs",) and spec.questions == ("Q?",)
+    unset = spec_from_arguments(parser.parse_args(["run", "--input", "d", "--output", "o"]))
+    assert unset.engine.prompt_lookup_tokens is None  # by the work planned
+    job = tmp_path / "job.yaml"
+    job.write_text("sources: [d]\noutput: o\nengine: {prompt_lookup_tokens: 2}\n")
+    from_file = spec_from_arguments(parser.parse_args(["run", str(job)]))
+    assert from_file.engine.prompt_lookup_tokens == 2
+    flag_wins = spec_from_arguments(parser.parse_args(["run", str(job), "--prompt-lookup", "0"]))
+    assert flag_wins.engine.prompt_lookup_tokens == 0
 
-    sections = get_type_hints(JobSpec)
-    for flag, (section, key) in FLAG_KEYS.items():
-        record = JobSpec if section is None else sections[section]
-        assert key in {f.name for f in dataclasses.fields(record)}, (flag, section, key)
-
-    parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
-    add_method_arguments(parser)
-    args = parser.parse_args(["--model", "m", "--chunk-size", "700", "--kv-cache-gib", "2"])
-    assert engine_spec(args).cpu_kvcache_space_gib == 2
-    assert method_config(args).chunk_size == 700
-    shared = {action.dest for action in parser._actions if action.dest != "help"}
-    assert shared <= set(FLAG_KEYS)  # `run` takes every shared flag, under the same name
+    asked = parser.parse_args(
+        ["ask", "a.txt", "-q", "Q?", "--model", "m", "--chunk-size", "700", "--kv-cache-gib", "2"]
+    )
+    assert engine_spec(asked).cpu_kvcache_space_gib == 2 and engine_spec(asked).model == "m"
+    assert method_config(asked).chunk_size == 700
+    assert engine_spec(parser.parse_args(["ask", "a", "-q", "Q"])).cpu_kvcache_space_gib == 4
 
 
 def test_an_unexpected_failure_ends_with_its_first_line_only(

@@ -50,14 +50,12 @@ def register(subparsers: Any) -> None:
         default=1.0,
         help="document size factor; 1: 20K-90K tokens (default: %(default)s)",
     )
-    add_engine_arguments(parser)
-    add_method_arguments(parser)
-    add_verbose_argument(parser)
     # A demo should start fast and finish in minutes on a laptop CPU: eager mode (no compile),
     # and the short memory and answer budgets the demo's accuracy table was measured with.
-    parser.set_defaults(
-        handler=run_demo_command, enforce_eager=True, max_memory_tokens=256, max_answer_tokens=64
-    )
+    add_engine_arguments(parser, defaults={"enforce_eager": True})
+    add_method_arguments(parser, defaults={"max_memory_tokens": 256, "max_answer_tokens": 64})
+    add_verbose_argument(parser)
+    parser.set_defaults(handler=run_demo_command)
 
 
 def run_demo_command(args: argparse.Namespace) -> int:

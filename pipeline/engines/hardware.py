@@ -30,10 +30,6 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # The CPU features that decide how fast a CPU engine runs, as /proc/cpuinfo names them.
 FEATURES_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
-DTYPE_HELP = (
-    f"weights and compute: auto (default; ${DTYPE_ENV} overrides it) is bfloat16 on GPUs and on "
-    "CPUs with native bf16 (avx512_bf16, AMX), float32 on other CPUs"
-)
 EMULATED_BF16_COST = (
     "bfloat16 on a CPU without native bf16 (no avx512_bf16 or AMX) is emulated: on an AVX2-only "
     "EPYC, Qwen2.5-Coder-0.5B prefilled 24 tokens/s in bfloat16 against 134 in float32; "

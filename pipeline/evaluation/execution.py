@@ -19,15 +19,29 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from connectors.state.schema import DONE
-from pipeline.ask import DocumentInput, PreparedDocument, prepare
-from pipeline.config import MethodConfig
-from pipeline.core.chain import REFERENCE_MAX_ANSWER_TOKENS, REFERENCE_MAX_MEMORY_TOKENS
+from pipeline.ask import DocumentInput, PreparedDocument, prepare, prepare_collection
+from pipeline.config import (
+    ChunkSize,
+    MaxAnswerTokens,
+    MaxMemoryTokens,
+    MethodConfig,
+    Seed,
+    Temperature,
+    TopP,
+)
+from pipeline.core.collection import (
+    Member,
+    document_refs,
+    in_collection,
+    order_members,
+    segment_collection,
+)
 from pipeline.core.evidence import find_evidence, text_segments
 from pipeline.core.extraction import extract_answer, strip_thinking
 from pipeline.core.retrieval import render_passages, select_passages, split_passages
 from pipeline.core.scoring import score
 from pipeline.core.segmentation import (
-    REFERENCE_CHUNK_SIZE,
+    Segment,
     SegmentationConfig,
     segment,
     tokenize,
@@ -35,9 +49,10 @@ from pipeline.core.segmentation import (
 from pipeline.core.templates import defang, get_template_set
 from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
 from pipeline.evaluation.checkpoints import EvalCheckpoints
+from pipeline.evaluation.combined import build_combine_prompt, render_answers
 from pipeline.evaluation.direct import DIRECT_TEMPLATE, build_direct_prompt, chat_overhead_tokens
 from pipeline.evaluation.results import EARLIER_SITTINGS_CALLS, Prediction
-from pipeline.evaluation.samples import EvalSample
+from pipeline.evaluation.samples import EvalSample, count_tokens
 from pipeline.resume import ChainWork, resume_chain
 from pipeline.runner import ChainRunner
 
@@ -46,13 +61,17 @@ DIRECT = "direct"
 RAG_BM25 = "rag-bm25"
 MEMSTREAM_PREFIX = "memstream:"
 _REREAD_SUFFIX = re.compile(r"\+reread(\d+)$")
+COMBINED_SUFFIX = "+combined"
 
 
 @dataclass(frozen=True)
 class EvalMethod:
-    name: str  # "direct", "rag-bm25" or "memstream:<template set>[+reread<N>]"
+    name: str  # "direct", "rag-bm25" or "memstream:<template set>[+reread<N>][+combined]"
     template: str | None  # None for the one-call methods
     reread_tokens: int = 0
+    # A collection's documents each asked alone, their answers combined by one call
+    # (`pipeline.evaluation.combined`), instead of one chain over the collection.
+    combined: bool = False
 
     @classmethod
     def parse(cls, text: str) -> EvalMethod:
@@ -61,13 +80,16 @@ class EvalMethod:
             return cls(name, None)
         if name.startswith(MEMSTREAM_PREFIX):
             template = name.removeprefix(MEMSTREAM_PREFIX)
+            combined = template.endswith(COMBINED_SUFFIX)
+            template = template.removesuffix(COMBINED_SUFFIX)
             reread = _REREAD_SUFFIX.search(template)
             if reread:
                 template = template[: reread.start()]
             get_template_set(template)  # an unknown template set fails here, naming the known
-            return cls(name, template, int(reread[1]) if reread else 0)
+            return cls(name, template, int(reread[1]) if reread else 0, combined)
         raise ValueError(
-            f"unknown method {text!r}: use direct, rag-bm25 or memstream:<template set>[+reread<N>]"
+            f"unknown method {text!r}: use direct, rag-bm25 or "
+            "memstream:<template set>[+reread<N>][+combined]"
         )
 
     @property
@@ -82,17 +104,22 @@ def parse_methods(text: str) -> list[EvalMethod]:
     return list(dict.fromkeys(methods))
 
 
+_METHOD = MethodConfig()
+
+
 @dataclass(frozen=True)
 class EvalSettings:
-    """What every method of a run shares; `context_window` is the engine's max_model_len."""
+    """What every method of a run shares, as a run's results record it: the method's settings
+    (declared by `MethodConfig`, with its defaults) but the template set and the re-read budget,
+    which each method names; `context_window` is the engine's max_model_len."""
 
     context_window: int
-    chunk_size: int = REFERENCE_CHUNK_SIZE
-    max_memory_tokens: int = REFERENCE_MAX_MEMORY_TOKENS
-    max_answer_tokens: int = REFERENCE_MAX_ANSWER_TOKENS
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    chunk_size: ChunkSize = _METHOD.chunk_size
+    max_memory_tokens: MaxMemoryTokens = _METHOD.max_memory_tokens
+    max_answer_tokens: MaxAnswerTokens = _METHOD.max_answer_tokens
+    temperature: Temperature = _METHOD.temperature
+    top_p: TopP = _METHOD.top_p
+    seed: Seed = _METHOD.seed
 
     def method_config(self, template: str, reread_tokens: int = 0) -> MethodConfig:
         return MethodConfig(
@@ -139,14 +166,131 @@ async def run_configuration(
     hook = progress or _NoProgress()
     if method.template is None:
         return await _run_one_call(engine, tokenizer, samples, method, settings, hook)
+    run = _run_combined if method.combined else _run_memstream
     if checkpoints is None:
         with contextlib.closing(EvalCheckpoints.temporary()) as temporary:
-            return await _run_memstream(
+            return await run(
                 engine, tokenizer, samples, method, method.template, settings, hook, temporary
             )
-    return await _run_memstream(
+    return await run(
         engine, tokenizer, samples, method, method.template, settings, hook, checkpoints
     )
+
+
+class _WithMoreCalls:
+    """A progress hook that plans `extra` calls beside those the chains plan."""
+
+    def __init__(self, hook: ProgressHook, extra: int) -> None:
+        self.hook, self.extra = hook, extra
+
+    def planned(self, calls: int, earlier: int = 0) -> None:
+        self.hook.planned(calls + self.extra, earlier)
+
+    def called(self) -> None:
+        self.hook.called()
+
+
+async def _run_combined(
+    engine: Engine,
+    tokenizer: Any,
+    samples: Sequence[EvalSample],
+    method: EvalMethod,
+    template: str,
+    settings: EvalSettings,
+    progress: ProgressHook,
+    checkpoints: EvalCheckpoints,
+) -> list[Prediction]:
+    """`memstream:<template>+combined`: each document of a collection sample asked alone (a
+    chain checkpointed as any one-document chain), then one call over their labelled answers."""
+    alone = dataclasses.replace(method, combined=False)
+    collections = [sample for sample in samples if sample.documents]
+    per_document: list[EvalSample] = []
+    for sample in collections:
+        ordered = order_members(sample.documents, "listed")
+        n_tokens = count_tokens([member.text for member, _ in ordered], tokenizer)
+        per_document += [
+            dataclasses.replace(
+                sample,
+                sample_id=f"{sample.sample_id}@{member.name}",
+                document=member.text,
+                n_tokens=tokens,
+                documents=(),
+            )
+            for (member, _), tokens in zip(ordered, n_tokens, strict=True)
+        ]
+    singles = [sample for sample in samples if not sample.documents]
+    hook = _WithMoreCalls(progress, len(collections))
+    read = await _run_memstream(
+        engine, tokenizer, [*singles, *per_document], alone, template, settings, hook, checkpoints
+    )
+    by_id = {prediction.sample_id: prediction for prediction in read}
+    sampling = settings.sampling()
+
+    async def combine(sample: EvalSample) -> Prediction:
+        ordered = order_members(sample.documents, "listed")
+        refs = document_refs(ordered)
+        answers = [by_id[f"{sample.sample_id}@{member.name}"] for member, _ in ordered]
+        block = render_answers([ref.label for ref in refs], [a.prediction for a in answers])
+        started = time.perf_counter()
+        details: dict[str, Any] = {
+            "per_document": [
+                {"document": ref.label, "answer": a.prediction, "status": a.status}
+                for ref, a in zip(refs, answers, strict=True)
+            ]
+        }
+        counts = {
+            "document_tokens": sum(a.document_tokens for a in answers),
+            "prompt_tokens": sum(a.prompt_tokens for a in answers),
+            "completion_tokens": sum(a.completion_tokens for a in answers),
+            "n_calls": sum(a.n_calls for a in answers),
+        }
+        chains_s = sum(a.seconds for a in answers)
+        try:
+            completion = await engine.generate(
+                GenerationRequest(
+                    f"{sample.sample_id}:{method.name}",
+                    build_combine_prompt(sample.question, block),
+                    settings.max_answer_tokens,
+                    sampling,
+                )
+            )
+        except Exception as error:  # one failing sample must not stop the others
+            progress.called()
+            return _prediction(
+                sample,
+                method,
+                document_tokens=counts["document_tokens"],
+                seconds=chains_s + time.perf_counter() - started,
+                status="error",
+                error=f"{type(error).__name__}: {error}",
+                details=details,
+            )
+        progress.called()
+        return _prediction(
+            sample,
+            method,
+            answer=extract_answer(strip_thinking(completion.text)),
+            raw_response=completion.text,
+            final_memory=block,
+            document_tokens=counts["document_tokens"],
+            prompt_tokens=counts["prompt_tokens"] + completion.prompt_tokens,
+            completion_tokens=counts["completion_tokens"] + completion.completion_tokens,
+            n_calls=counts["n_calls"] + 1,
+            seconds=chains_s + time.perf_counter() - started,
+            details=details,
+        )
+
+    combined = dict(
+        zip(
+            (sample.sample_id for sample in collections),
+            await asyncio.gather(*(combine(sample) for sample in collections)),
+            strict=True,
+        )
+    )
+    return [
+        combined[sample.sample_id] if sample.documents else by_id[sample.sample_id]
+        for sample in samples
+    ]
 
 
 async def _run_memstream(
@@ -160,12 +304,7 @@ async def _run_memstream(
     checkpoints: EvalCheckpoints,
 ) -> list[Prediction]:
     config = settings.method_config(template, method.reread_tokens)
-    prepared = [
-        prepare(
-            DocumentInput(sample.sample_id, sample.document), [sample.question], tokenizer, config
-        )
-        for sample in samples
-    ]
+    prepared = [prepare_sample(sample, tokenizer, config) for sample in samples]
     keys = await checkpoints.call(
         checkpoints.plan,
         [
@@ -236,6 +375,17 @@ async def _run_memstream(
     ]
 
 
+def prepare_sample(sample: EvalSample, tokenizer: Any, config: MethodConfig) -> PreparedDocument:
+    """The sample's chain: over its document, or over its collection's documents in order."""
+    if sample.documents:
+        return prepare_collection(
+            sample.sample_id, sample.documents, [sample.question], tokenizer, config
+        )
+    return prepare(
+        DocumentInput(sample.sample_id, sample.document), [sample.question], tokenizer, config
+    )
+
+
 def _stored_prediction(
     sample: EvalSample,
     method: EvalMethod,
@@ -281,9 +431,15 @@ def build_rag_prompt(
     """The `rag-bm25` peer, fixed before it was first measured: the document's 300-word
     passages (never across a segment), ranked by BM25 for the question alone, the best ones up
     to `chunk_size + max_memory_tokens` tokens in document order, read in one call with direct
-    reading's prompt."""
-    tokenized = tokenize(sample.sample_id, sample.document, tokenizer)
-    segments = segment(tokenized, tokenizer, SegmentationConfig(chunk_size=settings.chunk_size))
+    reading's prompt. Over a collection, the passages of all its documents are ranked together,
+    each shown after its document's label."""
+    segmentation = SegmentationConfig(chunk_size=settings.chunk_size)
+    if sample.documents:
+        ordered = order_members(sample.documents, "listed")
+        segments = segment_collection(ordered, tokenizer, segmentation).segments
+    else:
+        tokenized = tokenize(sample.sample_id, sample.document, tokenizer)
+        segments = segment(tokenized, tokenizer, segmentation)
     budget = settings.chunk_size + settings.max_memory_tokens
     passages = select_passages(split_passages(segments), sample.question, budget)
     prompt = DIRECT_TEMPLATE.format(
@@ -291,7 +447,9 @@ def build_rag_prompt(
     )
     details = {
         "shown_tokens": sum(p.n_tokens for p in passages),
-        "passages": [[p.char_start, p.char_end] for p in passages],
+        "passages": [
+            [p.char_start, p.char_end, *([p.document] if p.document else [])] for p in passages
+        ],
     }
     return prompt, details
 
@@ -368,12 +526,25 @@ def grade(
     sample: EvalSample, answer: str | None, raw_response: str | None, final_memory: str | None
 ) -> dict[str, float]:
     """An answer's scores against the sample's gold answers, and whether it is grounded in the
-    sample's document."""
+    sample's document (in any document of its collection)."""
     scores = score(sample.answers, sample.answer_mode, answer, raw_response)
-    segments = text_segments(sample.sample_id, sample.document)
+    if sample.documents:
+        segments = collection_text_segments(order_members(sample.documents, "listed"))
+    else:
+        segments = text_segments(sample.sample_id, sample.document)
     grounding = find_evidence(sample.question, answer, final_memory or "", segments)
     scores["grounded"] = float(grounding.grounded)
     return scores
+
+
+def collection_text_segments(ordered: Sequence[tuple[Member, str]]) -> list[Segment]:
+    """Character segments of each document of a collection, labelled with their document, to
+    look up evidence in where no token segmentation is at hand."""
+    segments: list[Segment] = []
+    for (member, _), ref in zip(ordered, document_refs(ordered), strict=True):
+        for piece in text_segments(member.doc_id, member.text):
+            segments.append(in_collection(piece, len(segments), ref))
+    return segments
 
 
 def _prediction(

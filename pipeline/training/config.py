@@ -6,20 +6,30 @@ Kept apart from the trainer so that building the command line imports no torch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.config import default_template
+from pipeline.config import (
+    ChunkSize,
+    MaxAnswerTokens,
+    MaxMemoryTokens,
+    Seed,
+    Temperature,
+    TemplateName,
+    TopP,
+    default_template,
+)
 from pipeline.core.chain import ChainConfig
 from pipeline.core.templates import get_template_set
+from pipeline.engines.factory import KvCacheGib, MaxModelLen, ModelName
 
 if TYPE_CHECKING:
     from pipeline.training.algorithm import TrainingAlgorithmConfig
     from pipeline.training.learner import LearnerConfig
 
 PresetName = Literal["memagent", "dapo"]
-TaskName = Literal["keep-the-fact", "cuad"]
+TaskName = Literal["keep-the-fact", "multi-fact", "table-figures", "filing-figures", "cuad"]
 LearnerPlacement = Literal["in-process", "ray-train"]
 
 
@@ -29,10 +39,9 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     output: Path = Field(description="Folder for the checkpoint (a loadable model) and metrics.")
-    model: str = Field(
-        "smollm2-135m-instruct",
-        description="The policy to train: a packaged model name or a local Hugging Face folder.",
-    )
+    # The policy to train. The method's and the rollout engine's settings are theirs
+    # (pipeline.config, pipeline.engines.factory), with defaults for short training chains.
+    model: ModelName = "smollm2-135m-instruct"
     answers: Path | None = Field(
         None,
         description="JSON Lines of {document, question, answers}: train on your own archive. "
@@ -41,7 +50,12 @@ class TrainConfig(BaseModel):
     task: TaskName = Field(
         "keep-the-fact",
         description="Training task without --answers: keep-the-fact (an access code among "
-        "distractors in prose, pipeline.training.tasks) or cuad (the labelled fields of "
+        "distractors in prose, pipeline.training.tasks); multi-fact (NIAH's multi-key and "
+        "multi-value needles in turn among distractors, pipeline.training.needle_facts); "
+        "table-figures (a figure of a synthetic table, its rows written as the PDF parser "
+        "writes them under their column headers, in prose); filing-figures (a figure of a "
+        "headed table row of the 2022 Q3 SEC filings, held out: 2023 Q1 and Q2; both "
+        "pipeline.training.table_figures, scored as figures); or cuad (the labelled fields of "
         "the shared CUAD contracts, rewarded as the evaluation scores them: every party named; "
         "pipeline.training.contract_fields).",
     )
@@ -52,16 +66,13 @@ class TrainConfig(BaseModel):
     n_segments: int = Field(3, ge=1, description="Synthetic task: segments per document.")
     segment_tokens: int = Field(200, ge=16, description="Synthetic task: tokens per segment.")
     n_distractors: int = Field(3, ge=0, description="Synthetic task: distractor facts per doc.")
-    chunk_size: int = Field(200, ge=16, description="Tokens of document per memory update.")
-    max_memory_tokens: int = Field(64, ge=1, description="Memory budget of an update, tokens.")
-    max_answer_tokens: int = Field(32, ge=1, description="Token budget of the final answer.")
-    template: str | None = Field(
-        None,
-        description="Memory template set; default: the one the model is served with "
-        "(pipeline.config.default_template), so it learns the format it will answer in.",
-    )
-    temperature: float = Field(1.0, gt=0.0, description="Rollout sampling temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Rollout nucleus sampling.")
+    chunk_size: Annotated[ChunkSize, Field(ge=16)] = 200
+    max_memory_tokens: MaxMemoryTokens = 64
+    max_answer_tokens: MaxAnswerTokens = 32
+    # Unset: the one the model is served with, so it learns the format it will answer in.
+    template: TemplateName | None = None
+    temperature: Annotated[Temperature, Field(gt=0.0)] = 1.0  # rollouts sample
+    top_p: TopP = 1.0
     learning_rate: float = Field(1e-6, gt=0.0, description="AdamW learning rate.")
     warmup_steps: int = Field(20, ge=0, description="Optimiser steps of linear warm-up.")
     mini_batch_conversations: int = Field(32, ge=1, description="Conversations per optimiser step.")
@@ -79,9 +90,9 @@ class TrainConfig(BaseModel):
         description="Reward a gold answer found anywhere in the reply, not only after 'the "
         "answer is' (for models that seldom use the answer format).",
     )
-    seed: int = Field(0, description="Seeds the samples, the rollouts and the learner.")
-    max_model_len: int = Field(2048, ge=256, description="Rollout engine context, tokens.")
-    kv_cache_gib: int = Field(1, ge=1, description="Rollout engine KV cache on CPU, GiB.")
+    seed: Seed = 0  # seeds the samples, the rollouts and the learner too
+    max_model_len: Annotated[MaxModelLen, Field(ge=256)] = 2048  # of the rollout engine
+    kv_cache_gib: KvCacheGib = 1  # of the rollout engine
     resume: bool = Field(False, description="Continue the run in `output` from its checkpoint.")
     learner: LearnerPlacement = Field(
         "in-process",
@@ -122,14 +133,14 @@ class TrainConfig(BaseModel):
     )
     ray_address: str | None = Field(
         None,
-        description="Ray cluster for --learner ray-train and --rollout-actors (default: "
-        "$RAY_ADDRESS, a running session, else a local one).",
+        description="Ray cluster for --learner ray-train and --rollout-actors; unset: "
+        "$RAY_ADDRESS, a running session, else a local one.",
     )
 
     @model_validator(mode="after")
     def _one_source_of_samples(self) -> TrainConfig:
         if self.answers is not None and self.task != "keep-the-fact":
-            raise ValueError("--answers and --task cuad both name the samples: pass one")
+            raise ValueError(f"--answers and --task {self.task} both name the samples: pass one")
         return self
 
     @model_validator(mode="after")
