@@ -12,8 +12,15 @@ from typing import Any
 
 from pipeline.config import MethodConfig
 from pipeline.core.chain import MemoryChain
+from pipeline.core.collection import Member, order_members, segment_collection
 from pipeline.core.evidence import Grounding, find_evidence
-from pipeline.core.segmentation import Segment, TokenizedDocument, segment, tokenize
+from pipeline.core.segmentation import (
+    DocumentRef,
+    Segment,
+    TokenizedDocument,
+    segment,
+    tokenize,
+)
 from pipeline.runner import ChainResult, ChainRunner, StepCallback
 
 
@@ -31,6 +38,8 @@ class PreparedDocument:
     segments: list[Segment]
     chains: list[MemoryChain] = field(default_factory=list)
     page_starts: tuple[int, ...] = ()
+    # A collection's documents in reading order (their segments carry them); () for one document.
+    documents: tuple[DocumentRef, ...] = ()
 
     def grounding(self, result: ChainResult) -> Grounding:
         """Where `result`'s answer and memory are found in this document."""
@@ -56,6 +65,28 @@ def prepare(
     ]
     return PreparedDocument(
         document.doc_id, tokenized.n_tokens, segments, chains, document.page_starts
+    )
+
+
+def prepare_collection(
+    collection_id: str,
+    members: Sequence[Member],
+    questions: Sequence[str],
+    tokenizer: Any,
+    method: MethodConfig,
+    order_by: str = "listed",
+) -> PreparedDocument:
+    """One chain per question over a collection's documents in order (`order_by`), each
+    document cut on its own and headed by its label (`pipeline.core.collection`)."""
+    ordered = order_members(members, order_by)
+    read = segment_collection(ordered, tokenizer, method.segmentation())
+    chain_config = method.chain()
+    chains = [
+        MemoryChain(f"{collection_id}#q{index}", question, read.segments, chain_config)
+        for index, question in enumerate(questions)
+    ]
+    return PreparedDocument(
+        collection_id, read.n_tokens, read.segments, chains, documents=read.documents
     )
 
 

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from connectors.state.records import RunProgress
 from operators.parsing import ParseError, parse_document
-from pipeline.ask import DocumentInput, PreparedDocument, answer, prepare
+from pipeline.ask import DocumentInput, PreparedDocument, answer, prepare, prepare_collection
 from pipeline.cli import terminal
 from pipeline.cli.flags import (
     EXIT_PARTIAL_FAILURE,
@@ -29,6 +29,7 @@ from pipeline.cli.flags import (
 from pipeline.cli.progress import progress_bar
 from pipeline.config import MethodConfig, check_context_fit
 from pipeline.core.chain import MemoryChain, StepRecord
+from pipeline.core.collection import ORDERS, Member, document_refs, order_members
 from pipeline.core.evidence import Evidence
 from pipeline.engines import models
 from pipeline.engines.factory import EngineSpec, load_tokenizer, open_checked_engine
@@ -49,6 +50,19 @@ def register(subparsers: Any) -> None:
         metavar="Q",
         help="a question asked of every document; repeat for more",
     )
+    parser.add_argument(
+        "--across",
+        action="store_true",
+        help="ask each question once of all the files together, read in order by one memory "
+        "(a collection), instead of once per file",
+    )
+    parser.add_argument(
+        "--order-by",
+        choices=ORDERS,
+        default="listed",
+        help="with --across, the reading order: as listed, by file name, or by modification "
+        "time (default: listed)",
+    )
     add_engine_arguments(parser)
     add_method_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print results as JSON")
@@ -64,6 +78,8 @@ def run_ask(args: argparse.Namespace) -> int:
         engine_spec(args),
         method_config(args),
         as_json=args.json,
+        across=args.across,
+        order_by=args.order_by,
     )
 
 
@@ -74,6 +90,8 @@ def ask_files(
     method: MethodConfig,
     *,
     as_json: bool,
+    across: bool = False,
+    order_by: str = "listed",
 ) -> int:
     term = terminal.current()
     console = term.console()
@@ -85,8 +103,17 @@ def ask_files(
         return EXIT_NOTHING_READABLE
     models.ensure_pulled(spec.model, console.print)
     tokenizer = load_tokenizer(spec)
-    check_context_fit(method, questions, tokenizer, spec.resolved_max_model_len)
-    prepared = [prepare(document, questions, tokenizer, method) for document in documents]
+    members = collection_members(documents) if across else []
+    fitted = with_longest_header(questions, members, order_by) if across else questions
+    check_context_fit(method, fitted, tokenizer, spec.resolved_max_model_len)
+    if across:
+        prepared = [
+            prepare_collection(
+                f"collection of {len(members)}", members, questions, tokenizer, method, order_by
+            )
+        ]
+    else:
+        prepared = [prepare(document, questions, tokenizer, method) for document in documents]
     chains = [chain for document in prepared for chain in document.chains]
     spec = spec.resolved(
         planned_tokens=sum(chain.tokens_left for chain in chains), planned_chains=len(chains)
@@ -118,6 +145,33 @@ def read_documents(paths: Sequence[Path]) -> tuple[list[DocumentInput], dict[str
         else:
             documents.append(DocumentInput(str(path), parsed.text, parsed.page_starts))
     return documents, failures
+
+
+def collection_members(documents: Sequence[DocumentInput]) -> list[Member]:
+    """The files read as one collection: each named by its file name (its path where two
+    share a name), with its modification time for `--order-by mtime`."""
+    paths = [Path(document.doc_id) for document in documents]
+    names = [path.name for path in paths]
+    return [
+        Member(
+            document.doc_id,
+            path.name if names.count(path.name) == 1 else str(path),
+            document.text,
+            document.page_starts,
+            path.stat().st_mtime,
+        )
+        for document, path in zip(documents, paths, strict=True)
+    ]
+
+
+def with_longest_header(
+    questions: Sequence[str], members: Sequence[Member], order_by: str
+) -> list[str]:
+    """The questions as long as an update prompt's question plus the longest document header,
+    so the context check counts the header each segment is shown with."""
+    refs = document_refs(order_members(members, order_by))
+    header = max((ref.header(continued=True) for ref in refs), key=len, default="")
+    return [f"{question}\n{header}" for question in questions]
 
 
 async def run_with_progress(
@@ -162,6 +216,8 @@ def print_answers(
 
     for document in prepared:
         say(f"{document.doc_id}  ({len(document.segments)} segments, {document.n_tokens:,} tokens)")
+        for ref in document.documents:  # a collection's documents, in reading order
+            say(f"  {ref.label}")
         for result in results[document.doc_id]:
             say(f"  Q: {result.question}")
             if result.status != "ok":
@@ -180,6 +236,7 @@ def print_answers(
 def describe_evidence(item: Evidence) -> str:
     """One line: what matched, where in the source, and the quote."""
     where = f"page {item.page}, " if item.page else ""
+    where = f"{item.document}, {where}" if item.document else where
     span = f"segment {item.segment_index}, chars {item.char_start}-{item.char_end}"
     return f"{item.matches} evidence ({where}{span}): {one_line(item.quote, 120)}"
 
@@ -208,6 +265,11 @@ def as_records(
                     "raw_response": result.raw_response,
                     "final_memory": result.final_memory,
                     **document.grounding(result).as_dict(),
+                    **(
+                        {"documents": [ref.label for ref in document.documents]}
+                        if document.documents
+                        else {}
+                    ),
                     "n_segments": len(document.segments),
                     "n_tokens": document.n_tokens,
                     "prompt_tokens": result.prompt_tokens,

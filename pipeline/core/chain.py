@@ -117,7 +117,7 @@ class MemoryChain:
                 chain_id=self.chain_id,
                 step=self.step,
                 kind=StepKind.UPDATE,
-                prompt=templates.render_update(self.question, self.memory, segment.text),
+                prompt=templates.render_update(self.question, self.memory, segment.shown_text),
                 max_tokens=self.config.max_memory_tokens,
                 segment=segment,
             )
@@ -154,8 +154,13 @@ class MemoryChain:
             budget_chars = (
                 self.config.max_memory_tokens * templates.memory_holds_replies * CHARS_PER_TOKEN
             )
+            read = self.segments[self.step]
             update = templates.next_memory(
-                self.memory, strip_thinking(reply), self.segments[self.step].text, budget_chars
+                self.memory,
+                strip_thinking(reply),
+                read.text,
+                budget_chars,
+                label=read.document.label if read.document else "",
             )
             self.memory, self.rejected = update.memory, update.rejected
         else:

@@ -167,4 +167,5 @@ def documents_of(table: pa.Table) -> list[Document]:
 def _segment_row(piece: Segment) -> dict[str, Any]:
     row = asdict(piece)
     del row["doc_id"]  # the document's: implied by the row it is in
+    del row["document"]  # a collection's label: the job's rows hold one document each
     return row

@@ -33,6 +33,7 @@ class Passage:
     char_end: int
     text: str
     n_tokens: int  # estimated from its segment's tokens per character
+    document: str | None = None  # its document's label, in a collection
 
 
 def split_passages(segments: Sequence[Segment], words: int = PASSAGE_WORDS) -> list[Passage]:
@@ -52,6 +53,7 @@ def split_passages(segments: Sequence[Segment], words: int = PASSAGE_WORDS) -> l
                     char_end=segment.char_start + end,
                     text=segment.text[start:end],
                     n_tokens=max(1, math.ceil((end - start) * density)),
+                    document=segment.document.label if segment.document else None,
                 )
             )
     return passages
@@ -100,5 +102,9 @@ def _terms(tokenized: object) -> list[str]:
 
 
 def render_passages(passages: Sequence[Passage]) -> str:
-    """The passages as the answer prompt shows them: numbered, in document order."""
-    return "\n\n".join(f"[{number}] {p.text}" for number, p in enumerate(passages, 1))
+    """The passages as the answer prompt shows them: numbered, in document order; in a
+    collection each after its document's label."""
+    return "\n\n".join(
+        f"[{number}] {f'({p.document}) ' if p.document else ''}{p.text}"
+        for number, p in enumerate(passages, 1)
+    )

@@ -33,6 +33,30 @@ class SegmentationConfig:
 
 
 @dataclass(frozen=True)
+class DocumentRef:
+    """A collection's document as its segments carry it: its name, its place in the reading
+    order and its order key (`pipeline.core.collection`), and its pages."""
+
+    name: str
+    position: int  # 1-based, in the collection's reading order
+    count: int  # documents in the collection
+    order_key: str = ""  # shown beside the name: "modified 2023-05-02"; "" for listed order
+    page_starts: tuple[int, ...] = ()  # PDFs: where each page starts in the document's text
+
+    @property
+    def label(self) -> str:
+        """What every segment and every kept quote of the document is labelled with."""
+        key = f", {self.order_key}" if self.order_key else ""
+        return f"doc {self.position}: {self.name}{key}"
+
+    def header(self, *, continued: bool = False) -> str:
+        """The line the model reads before a segment of the document."""
+        key = f" ({self.order_key})" if self.order_key else ""
+        more = ", continued" if continued else ""
+        return f"## Document {self.position} of {self.count}{more}: {self.name}{key}"
+
+
+@dataclass(frozen=True)
 class Segment:
     doc_id: str
     index: int
@@ -41,10 +65,21 @@ class Segment:
     char_start: int
     char_end: int
     text: str
+    # The document of a collection it belongs to; None when a document is read alone. Offsets
+    # are into that document's text either way; `index` counts across the whole collection.
+    document: DocumentRef | None = None
 
     @property
     def n_tokens(self) -> int:
         return self.token_end - self.token_start
+
+    @property
+    def shown_text(self) -> str:
+        """What an update step shows the model: the text, after its document's header in a
+        collection (a document's first segment starts at its first token)."""
+        if self.document is None:
+            return self.text
+        return f"{self.document.header(continued=self.token_start > 0)}\n\n{self.text}"
 
 
 @dataclass(frozen=True)

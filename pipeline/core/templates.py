@@ -9,6 +9,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from pipeline.core.collection import labelled
 from pipeline.core.quotes import NOTHING_FOUND, check_quotes
 from pipeline.core.retrieval import PASSAGE_RANKING
 
@@ -124,17 +125,25 @@ class TemplateSet:
             question=defang(question), memory=defang(memory), passages=defang(passages)
         )
 
-    def next_memory(self, memory: str, reply: str, section: str, budget_chars: int) -> MemoryUpdate:
-        """The memory after an update step that read `section` and replied `reply`."""
+    def next_memory(
+        self, memory: str, reply: str, section: str, budget_chars: int, *, label: str = ""
+    ) -> MemoryUpdate:
+        """The memory after an update step that read `section` and replied `reply`. A section
+        of a collection's document has its document's `label`: the lines an appending policy
+        keeps are prefixed with it, so a figure keeps its filing (an overwritten memory is the
+        model's own, which read the document's header)."""
         if self.memory_policy == "overwrite":
             return MemoryUpdate(reply)
         if self.memory_policy == "append":
+            if label and not _says_nothing(reply):
+                reply = "\n".join(labelled(line.strip(), label) for line in _lines(reply))
             return MemoryUpdate(
                 append_within_budget(memory, reply, budget_chars, self.initial_memory)
             )
         check = check_quotes(reply, section)
         present = set(memory.splitlines())
-        new_quotes = "\n".join(quote for quote in check.kept if quote not in present)
+        kept = (labelled(quote, label) for quote in check.kept)
+        new_quotes = "\n".join(quote for quote in kept if quote not in present)
         return MemoryUpdate(
             append_within_budget(memory, new_quotes, budget_chars, self.initial_memory),
             rejected=check.rejected,
@@ -148,6 +157,15 @@ MEMORY_POLICIES = ("overwrite", "append", "quotes")
 class MemoryUpdate:
     memory: str
     rejected: tuple[str, ...] = ()  # reply lines a "quotes" policy did not find in the section
+
+
+def _lines(reply: str) -> list[str]:
+    return [line.strip() for line in reply.splitlines() if line.strip()]
+
+
+def _says_nothing(reply: str) -> bool:
+    lines = _lines(reply)
+    return not lines or lines[0].upper().startswith(NOTHING_FOUND)
 
 
 def append_within_budget(memory: str, reply: str, budget_chars: int, initial: str) -> str:

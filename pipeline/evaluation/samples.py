@@ -1,4 +1,5 @@
-"""What every task builder produces: one document with one question and its reference answers."""
+"""What every task builder produces: one document (or a collection) with one question and its
+reference answers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.core.collection import Member
 from pipeline.core.scoring import AnswerMode
 
 KIBI = 1024
@@ -52,6 +54,10 @@ class EvalSample:
     depth: float | None = None  # NIAH: where the asked needle sits, as a share of the document
     variant: str | None = None  # NIAH: "single", "multikey" or "multivalue"; CUAD: the category
     details: dict[str, Any] = field(default_factory=dict)
+    # A question over a collection: its documents in reading order, read by one chain
+    # (`pipeline.core.collection`); `document` is then their `combined_text`, what a one-call
+    # method reads and what names the sample's content. () for one document.
+    documents: tuple[Member, ...] = ()
 
 
 def count_tokens(texts: Sequence[str], tokenizer: Any) -> list[int]:

@@ -25,11 +25,11 @@ from pipeline.evaluation.results import (
 )
 from pipeline.evaluation.samples import EvalSample, LengthSpec
 
-TASKS = ("hotpotqa", "niah", "cuad", "sec10q", "sec10q-tune")
+TASKS = ("hotpotqa", "niah", "cuad", "sec10q", "sec10q-tune", "sec10q-across")
 # What `memstream eval` runs when no task is named: the real-document tasks take an hour or more.
 DEFAULT_TASKS = ("hotpotqa", "niah", "cuad")
 # Tasks whose documents keep their own length: run once, with the first length's group.
-NATIVE_LENGTH_TASKS = frozenset({"cuad", "sec10q", "sec10q-tune"})
+NATIVE_LENGTH_TASKS = frozenset({"cuad", "sec10q", "sec10q-tune", "sec10q-across"})
 NATIVE_LENGTH_LABEL = "native"
 
 

@@ -1,0 +1,145 @@
+"""A collection: several documents read in order by one memory chain.
+
+A question that spans an archive ("How did iPhone net sales change over the last three
+quarterly reports?") is asked of a collection instead of each document alone. Its documents are
+put in order (`order_members`), each is tokenized and cut into segments on its own, so no
+segment crosses a document boundary (`segment_collection`), and every segment carries its
+document's `DocumentRef`: the model reads the document's header before each of its segments
+(`Segment.shown_text`), a verifying memory prefixes each kept quote with the document's label
+(`TemplateSet.next_memory`), and evidence names the document and its page
+(`pipeline.core.evidence`). Segment indexes count across the collection, so step k of its chain
+reads segment k as for one document; offsets stay those of each document's own text.
+
+A document read alone has no `DocumentRef`: its prompts and chain keys are unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal, get_args
+
+from pipeline.core.segmentation import (
+    DocumentRef,
+    Segment,
+    SegmentationConfig,
+    Tokenizer,
+    segment,
+    tokenize,
+)
+
+OrderBy = Literal["listed", "name", "mtime"]
+ORDERS: tuple[str, ...] = get_args(OrderBy)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One document of a collection, with what ordering may need."""
+
+    doc_id: str  # unique within the collection: a path, a URI, a sample's file name
+    name: str  # what the model and the evidence call it
+    text: str
+    page_starts: tuple[int, ...] = ()
+    mtime: float | None = None  # seconds since the epoch (local files)
+
+
+@dataclass(frozen=True)
+class CollectionSegments:
+    segments: list[Segment]
+    n_tokens: int
+    documents: tuple[DocumentRef, ...]  # in reading order
+
+
+def order_members(members: Sequence[Member], order_by: str) -> list[tuple[Member, str]]:
+    """The members in reading order, each with the order key its label shows: none when
+    listed (the position is the order), none by name (the name is the key), the modification
+    day (UTC) by mtime. Ties keep the listed order."""
+    if order_by not in ORDERS:
+        raise ValueError(f"order_by must be one of {', '.join(ORDERS)}, got {order_by!r}")
+    if order_by == "listed":
+        return [(member, "") for member in members]
+    if order_by == "name":
+        return [(member, "") for member in sorted(members, key=lambda m: m.name)]
+    missing = [member.name for member in members if member.mtime is None]
+    if missing:
+        raise ValueError(f"no modification time for {', '.join(missing)}")
+    ordered = sorted(members, key=lambda m: m.mtime or 0.0)
+    return [(member, f"modified {_day(member.mtime or 0.0)}") for member in ordered]
+
+
+def _day(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d")
+
+
+def document_refs(ordered: Sequence[tuple[Member, str]]) -> tuple[DocumentRef, ...]:
+    count = len(ordered)
+    return tuple(
+        DocumentRef(member.name, position, count, key, member.page_starts)
+        for position, (member, key) in enumerate(ordered, 1)
+    )
+
+
+def segment_collection(
+    ordered: Sequence[tuple[Member, str]], tokenizer: Tokenizer, config: SegmentationConfig
+) -> CollectionSegments:
+    """Each document cut on its own, in order: indexes count across the collection, offsets
+    are into each document's own text, every segment carries its `DocumentRef`."""
+    refs = document_refs(ordered)
+    segments: list[Segment] = []
+    n_tokens = 0
+    for (member, _), ref in zip(ordered, refs, strict=True):
+        tokenized = tokenize(member.doc_id, member.text, tokenizer)
+        n_tokens += tokenized.n_tokens
+        for piece in segment(tokenized, tokenizer, config):
+            segments.append(in_collection(piece, len(segments), ref))
+    return CollectionSegments(segments, n_tokens, refs)
+
+
+def in_collection(piece: Segment, index: int, ref: DocumentRef) -> Segment:
+    """A document's segment as the collection's `index`-th, carrying its document."""
+    return Segment(
+        piece.doc_id,
+        index,
+        piece.token_start,
+        piece.token_end,
+        piece.char_start,
+        piece.char_end,
+        piece.text,
+        ref,
+    )
+
+
+def combined_text(ordered: Sequence[tuple[Member, str]]) -> str:
+    """The collection as one text: each document after its header, a blank line between.
+    What a one-call method (`direct`) reads; its hash names the collection's content."""
+    return "\n\n".join(
+        f"{ref.header()}\n\n{member.text}"
+        for (member, _), ref in zip(ordered, document_refs(ordered), strict=True)
+    )
+
+
+def collection_sha256(ordered: Sequence[tuple[Member, str]]) -> str:
+    """Names what a collection's chain reads: its documents' headers and texts, in order."""
+    return hashlib.sha256(combined_text(ordered).encode()).hexdigest()
+
+
+# A kept line's label, as `TemplateSet.next_memory` writes it: "[doc 2: 2023 Q1 AAPL.pdf] ...".
+_LABEL_PREFIX = re.compile(r"^\[doc \d+: [^\]\n]*\] ", re.MULTILINE)
+
+
+def labelled(line: str, label: str) -> str:
+    """A memory line prefixed with its document's label."""
+    return f"[{label}] {line}" if label else line
+
+
+def strip_labels(memory: str) -> str:
+    """The memory without its lines' document labels: the source's own text, to be found in
+    the documents again."""
+    return _LABEL_PREFIX.sub("", memory)
+
+
+def has_documents(segments: Sequence[Segment]) -> bool:
+    return any(piece.document is not None for piece in segments)
