@@ -2,44 +2,32 @@
 
 Needles read "One of the special magic numbers for {key} is: {value}." as in RULER. Variants:
 `single` (one needle), `multikey` (several keys, one asked; the others are distractors) and
-`multivalue` (one key with several values, all asked, scored with string_match_all).
+`multivalue` (one key with several values, all asked, scored with string_match_all). The
+wording and the shapes are pipeline.corpora.needles', shared with the training task that
+teaches them (pipeline.training.needle_facts).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from pipeline.corpora.needles import (
+    ADJECTIVES,
+    NEEDLES_PER_MULTI_SAMPLE,
+    NOUNS,
+    VARIANTS,
+    NiahVariant,
+    needle,
+    planted_needles,
+    question_for,
+)
 from pipeline.evaluation.haystack import HaystackCorpus, Insertion
 from pipeline.evaluation.samples import EvalSample, count_tokens
 
-NiahVariant = Literal["single", "multikey", "multivalue"]
-VARIANTS: tuple[NiahVariant, ...] = ("single", "multikey", "multivalue")
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
-NEEDLES_PER_MULTI_SAMPLE = 4
 MAX_TRIM_ROUNDS = 4
-
-_ADJECTIVES = (
-    "amber", "brisk", "calm", "daring", "eager", "fabled", "gentle", "hollow", "icy", "jolly",
-    "keen", "lunar", "mellow", "nimble", "opal", "placid", "quiet", "rustic", "silent", "tidal",
-    "umber", "vivid", "woven", "young", "zesty",
-)  # fmt: skip
-_NOUNS = (
-    "anchor", "beacon", "canyon", "dolphin", "ember", "falcon", "glacier", "harbor", "island",
-    "juniper", "kettle", "lantern", "meadow", "nectar", "orchard", "pebble", "quarry", "raven",
-    "saddle", "thistle", "umbrella", "violin", "walrus", "yarrow", "zephyr",
-)  # fmt: skip
-
-
-def needle(key: str, value: str) -> str:
-    return f"One of the special magic numbers for {key} is: {value}."
-
-
-def question_for(key: str, variant: NiahVariant) -> str:
-    if variant == "multivalue":
-        return f"What are all the special magic numbers for {key} mentioned in the provided text?"
-    return f"What is the special magic number for {key} mentioned in the provided text?"
 
 
 @dataclass(frozen=True)
@@ -88,15 +76,7 @@ class NiahBuilder:
         keys = _distinct_keys(rng, NEEDLES_PER_MULTI_SAMPLE)
         values = [str(value) for value in rng.sample(range(1_000_000, 10_000_000), 4)]
         asked_key = keys[0]
-        if case.variant == "single":
-            planted = [(asked_key, values[0])]
-            answers = (values[0],)
-        elif case.variant == "multikey":
-            planted = list(zip(keys, values, strict=True))
-            answers = (values[0],)
-        else:
-            planted = [(asked_key, value) for value in values]
-            answers = tuple(values)
+        planted, answers = planted_needles(case.variant, keys, values)
         # The asked needle (the first value of a multi-value key) sits at the requested depth;
         # the others anywhere.
         needle_depths = [case.depth] + [rng.random() for _ in planted[1:]]
@@ -135,7 +115,7 @@ class NiahBuilder:
 def _distinct_keys(rng: random.Random, count: int) -> list[str]:
     keys: list[str] = []
     while len(keys) < count:
-        key = f"{rng.choice(_ADJECTIVES)}-{rng.choice(_NOUNS)}"
+        key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
         if key not in keys:
             keys.append(key)
     return keys

@@ -33,9 +33,11 @@ from pipeline.engines.factory import EngineSpec
 from pipeline.training.config import TrainConfig
 from pipeline.training.contract_fields import FieldSample
 from pipeline.training.learner import Conversation
+from pipeline.training.needle_facts import NeedleSample
+from pipeline.training.table_figures import TableFigureSample
 from pipeline.training.tasks import FactSample
 
-TrainingSample = FactSample | FieldSample
+TrainingSample = FactSample | NeedleSample | TableFigureSample | FieldSample
 
 # Where the memory goes in a rendered prompt: private-use characters no template, tokenizer
 # rule or document text makes, and that defang leaves alone.

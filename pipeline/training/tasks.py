@@ -244,8 +244,37 @@ def build_sample(
 ) -> FactSample:
     filler = rng.choice(list(fillers))
     chosen_keys = rng.sample(list(keys), n_distractors + 1)
-    codes = _draw_codes(rng, n_distractors + 1, avoid=filler.numbers)
+    codes = draw_codes(rng, n_distractors + 1, avoid=filler.numbers)
     planted = [needle_sentence(key, code) for key, code in zip(chosen_keys, codes, strict=True)]
+    document = plant_document(
+        rng,
+        filler,
+        planted,
+        n_segments=n_segments,
+        segment_tokens=segment_tokens,
+        count_tokens=count_tokens,
+    )
+    return FactSample(
+        sample_id=sample_id,
+        document=document,
+        question=question_for(chosen_keys[0]),
+        answers=[codes[0]],
+        needle_depth=document.index(planted[0]) / len(document),
+    )
+
+
+def plant_document(
+    rng: random.Random,
+    filler: FillerText,
+    planted: Sequence[str],
+    *,
+    n_segments: int,
+    segment_tokens: int,
+    count_tokens: Callable[[str], int],
+) -> str:
+    """`n_segments` pieces of `filler` of `segment_tokens` tokens each, the planted texts
+    included, each planted text at a sentence start of a random piece; the pieces start at a
+    random sentence and follow each other in the filler."""
     piece_of = [rng.randrange(n_segments) for _ in planted]
     budgets = [segment_tokens] * n_segments
     for sentence, piece in zip(planted, piece_of, strict=True):
@@ -270,17 +299,10 @@ def build_sample(
         ]
         pieces.append(_plant(filler, position, n_words, inserted, rng))
         position += n_words
-    document = SEGMENT_SEPARATOR.join(pieces)
-    return FactSample(
-        sample_id=sample_id,
-        document=document,
-        question=question_for(chosen_keys[0]),
-        answers=[codes[0]],
-        needle_depth=document.index(planted[0]) / len(document),
-    )
+    return SEGMENT_SEPARATOR.join(pieces)
 
 
-def _draw_codes(rng: random.Random, n: int, *, avoid: frozenset[str]) -> list[str]:
+def draw_codes(rng: random.Random, n: int, *, avoid: frozenset[str]) -> list[str]:
     """`n` distinct codes of `CODE_DIGITS` digits, none of them a number of the filler."""
     codes: list[str] = []
     while len(codes) < n:

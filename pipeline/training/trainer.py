@@ -50,6 +50,7 @@ from pipeline.training.learner import (
     append_metrics,
     existing_checkpoint,
 )
+from pipeline.training.needle_facts import generate_needle_samples
 from pipeline.training.rollout import (
     ChainRollout,
     PromptSplicer,
@@ -60,6 +61,7 @@ from pipeline.training.rollout import (
     rollout_engine_spec,
 )
 from pipeline.training.rollout_engines import RolloutEngines, open_rollout_engines
+from pipeline.training.table_figures import generate_filing_samples, generate_table_samples
 from pipeline.training.tasks import Split, generate_samples, read_jsonl
 
 CHECKPOINT_DIR = models.RUN_WEIGHTS_DIR
@@ -234,22 +236,33 @@ def task_samples(
     seed: int | None = None,
     first: int = 0,
 ) -> list[TrainingSample]:
-    """Samples `first` to `first + n - 1` of the config's task, on `split`; the keep-the-fact
-    task draws with `seed` (the config's by default)."""
+    """Samples `first` to `first + n - 1` of the config's task, on `split`; the generated
+    tasks draw with `seed` (the config's by default) and measure their segments with the
+    tokenizer."""
     if config.task == "cuad":
         return list(generate_field_samples(n, split=split, first=first))
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    seed = config.seed if seed is None else seed
+    n_segments, segment_tokens = config.n_segments, config.segment_tokens
+    if config.task in ("table-figures", "filing-figures"):
+        synthetic = config.task == "table-figures"
+        tables = generate_table_samples if synthetic else generate_filing_samples
+        return list(
+            tables(
+                n, seed=seed, split=split, n_segments=n_segments, segment_tokens=segment_tokens,
+                count_tokens=count_tokens, first=first,
+            )
+        )  # fmt: skip
+    facts = generate_needle_samples if config.task == "multi-fact" else generate_samples
     return list(
-        generate_samples(
-            n,
-            seed=config.seed if seed is None else seed,
-            split=split,
-            n_segments=config.n_segments,
-            segment_tokens=config.segment_tokens,
-            n_distractors=config.n_distractors,
-            count_tokens=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
-            first=first,
+        facts(
+            n, seed=seed, split=split, n_segments=n_segments, segment_tokens=segment_tokens,
+            n_distractors=config.n_distractors, count_tokens=count_tokens, first=first,
         )
-    )
+    )  # fmt: skip
 
 
 async def _roll_out(
@@ -383,7 +396,9 @@ def score_heldout(
     """The model in `weights` on `n_samples` held-out samples, greedy: each sample's answer and
     its scores by the answer format (`strict`) and anywhere in the reply (`raw`): the
     before/after measure of a run. Held-out samples share no text with the training split
-    (keep-the-fact: nor keys; cuad: other contracts, pipeline.training.contract_fields)."""
+    (keep-the-fact, multi-fact, table-figures: nor keys; filing-figures: other filings and
+    no gold figure of a training question; cuad: other contracts,
+    pipeline.training.contract_fields)."""
     base = models.resolve(config.model)
     tokenizer = load_tokenizer(base)
     samples = task_samples(config, tokenizer, n_samples, split="heldout", seed=seed)
