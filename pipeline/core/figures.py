@@ -47,6 +47,9 @@ _FIGURE = re.compile(
     re.IGNORECASE,
 )
 _AFTER_MONTH = re.compile(_MONTH + r"\s*$", re.IGNORECASE)
+# How far before a day a month's name is looked for ("September.", then some spaces): searching
+# all the text before each number would make a long document's figures quadratic.
+_MONTH_REACH = 24
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,8 @@ def _is_date_part(text: str, match: re.Match[str], printed: str, scale_word: str
     number = int(printed)
     if len(printed) == 4 and 1900 <= number <= 2100:
         return True
-    return number <= 31 and bool(_AFTER_MONTH.search(text[: match.start()]))
+    start = match.start()
+    return number <= 31 and bool(_AFTER_MONTH.search(text, max(0, start - _MONTH_REACH), start))
 
 
 def parse_gold(text: str) -> Figure:
