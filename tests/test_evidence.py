@@ -584,3 +584,56 @@ def test_the_owner_a_question_names_does_not_count_as_a_key_term():
     assert find_evidence(question, "$21,508 million", "", segments).grounded
     # "Microsoft" is rarer here than "Intelligent", but it names the whole filing.
     assert not find_evidence(question, "$27.1 billion", "", segments).grounded
+
+
+def test_in_a_row_without_headers_only_the_first_amount_grounds():
+    """Without its headers a row's columns cannot be told apart: the current period is printed
+    first, so a figure further along the row is not vouched for, right or wrong."""
+    june_2022 = "What were iPhone net sales for the three months ended June 25, 2022?"
+    assert find_evidence(june_2022, "39,669", "", FILING_SEGMENTS).grounded
+    later = find_evidence(june_2022, "40,665", "", FILING_SEGMENTS)
+    assert not later.grounded
+    assert "never in a table row or sentence" in later.reason
+
+
+SEGMENT_TABLES = (
+    FILLER
+    * 2
+    + "Revenue is recognised when control passes; revenue by channel is discussed below, and "
+    "revenue includes services. Intelligent Cloud revenue grew on demand for cloud services. "
+    * 3
+    + "\nRevenue, Total: SEGMENT RESULTS OF OPERATIONS Three Months Ended September 30, 2022 "
+    "$ 50,122; Three Months Ended September 30, 2021 $ 45,317\n"
+    "Intelligent Cloud: SEGMENT RESULTS OF OPERATIONS Three Months Ended September 30, 2022 "
+    "20,325; Three Months Ended September 30, 2021 16,912\n"
+)
+
+
+def test_a_page_title_that_names_segments_does_not_name_the_segment():
+    question = (
+        "What was revenue of Microsoft's Intelligent Cloud segment for the three months ended "
+        "September 30, 2022?"
+    )
+    segments = make_segments(SEGMENT_TABLES, 4000)
+    assert find_evidence(question, "$20,325 million", "", segments).grounded
+    total = find_evidence(question, "50,122", "", segments)
+    assert not total.grounded, total.reason
+
+
+def test_a_sentence_answer_needs_one_of_its_amounts_beside_the_questions_terms():
+    """A sentence found near the question's terms is not enough when it states figures: one of
+    them must be printed where the question's key terms are."""
+    text = (
+        FILING + "As of July 1, 2023, the Company had total deferred revenue of $12.2 billion and "
+        "$11.9 billion, respectively. iPhone net sales were $39.7 billion in the quarter.\n"
+    )
+    segments = make_segments(text, 4000)
+    question = "What were iPhone net sales for the three months ended July 1, 2023?"
+    deferred = find_evidence(
+        question, "the Company had total deferred revenue of $12.2 billion and $11.9 billion",
+        "", segments,
+    )  # fmt: skip
+    assert not deferred.grounded
+    assert "none of the amounts it states" in deferred.reason
+    stated = find_evidence(question, "iPhone net sales were $39.7 billion", "", segments)
+    assert stated.grounded, stated.reason

@@ -32,15 +32,19 @@ question asks about:
 - the key terms are those the document prints about as rarely as its rarest (within
   `KEY_TERM_SPREAD` times): "iPhone", not "net" or "sales", so "Total net sales $ 116,444" does
   not ground an answer about AWS;
-- terms that name a period ("three months ended June 25, 2022") or an owner ("Apple's") do not
-  count: they head every table of the filing.
+- terms that name a period ("three months ended June 25, 2022"), an owner ("Apple's") or a kind
+  of line ("segment") do not count: they head every table of the filing.
 The evidence is the printed figure; the reason names its row or sentence. The memory does not
 vouch for an amount: a memory holds many figures, and a wrong one is found in the source as
 surely as the right one. A PDF's table row is written with its column headers ("AWS, Net sales:
 Three Months Ended June 30, 2022 $ 19,739; Three Months Ended June 30, 2023 $ 22,140"): there
 the question's terms count in the row's label and the figure's own column header only, and a
 figure in the column of another period than the question names (the prior year's, six months
-instead of three) does not ground it. A row printed without headers is not read by column.
+instead of three) does not ground it. In a row printed without its headers, where the columns
+cannot be told apart, only the first amount grounds an answer: financial statements print the
+current period first. An answer that states amounts within a sentence ("revenue of $12.2
+billion and $11.9 billion") is matched by the general rule and, besides, is grounded only when
+one of its amounts is printed in a record that names the question's key terms.
 
 No answer (None, blank, or the model saying the document does not tell), a yes/no answer and an
 answer without words or numbers are never grounded: there is nothing to locate. In every case the
@@ -52,6 +56,10 @@ lengths, so offsets stay exact); then there is one C-level regex scan per answer
 and tried anchor word of a memory sentence, and fuzzy alignment only in short windows around
 anchor hits. Offsets are exact when each segment's text is the slice of the document text that
 its char offsets name; segments whose text length disagrees with their offsets are skipped.
+
+In a collection (`pipeline.core.collection`) the segments of all its documents are searched
+together, the rules unchanged; each evidence item names its document and that document's page,
+and the memory's document labels are left out before its sentences are looked up.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ from itertools import islice
 
 from rapidfuzz import fuzz
 
+from pipeline.core.collection import has_documents, strip_labels
 from pipeline.core.extraction import STOP_WORDS, normalize_answer
 from pipeline.core.figures import Figure, find_figures, is_table_row, same_figure
 from pipeline.core.segmentation import Segment
@@ -106,8 +115,7 @@ MAX_MEMORY_SENTENCES = 8
 MEMORY_MIN_CHARS = 12
 MAX_QUESTION_TERMS = 8
 # The question's key terms: those the document prints at most this many times as often as its
-# rarest term ("segment" 41 times and "Intelligent" 54 in a filing are both key; "revenue" 222
-# is not).
+# rarest term ("Intelligent" 49 times and "Cloud" 133 in a filing: only "Intelligent" is key).
 KEY_TERM_SPREAD = 2
 # An answer is a figure when it holds one amount and at most this many other content words.
 FIGURE_ANSWER_MAX_WORDS = 1
@@ -121,6 +129,9 @@ january february march april may june july august september october november dec
 jan feb mar apr jun jul aug sep sept oct nov dec
 """
 PERIOD_WORDS = frozenset(_PERIOD_WORDS_TEXT.split())
+# Words that name a kind of line, not which one: page titles print them above whole tables
+# ("SEGMENT RESULTS OF OPERATIONS"), so they tell no row apart.
+KIND_WORDS = frozenset({"segment", "segments"})
 # What tells a table's period columns apart: a year, or the span of months.
 _PERIOD_KEYS = re.compile(r"\b(?:19|20)\d\d\b|\b(?:three|six|nine|twelve)\b")
 _SCALE_READINGS = (1.0, 1e3, 1e6, 1e9)  # a printed figure's scale is in a heading far away
@@ -174,9 +185,15 @@ class Evidence:
     quote: str  # document_text[char_start:char_end]
     score: float  # 0..100; 100 for exact matches after normalisation
     matches: str  # "answer" or "memory"
+    # In a collection: the label of the document it is in (offsets and page are that
+    # document's); None, and absent from `as_dict`, for a document read alone.
+    document: str | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        row = asdict(self)
+        if self.document is None:
+            del row["document"]
+        return row
 
 
 @dataclass(frozen=True)
@@ -240,6 +257,8 @@ def find_evidence(
     if max_items < 0:
         raise ValueError(f"max_items must not be negative, got {max_items}")
     corpus = _Corpus(segments)
+    if has_documents(segments):  # a collection's memory labels its lines with their document
+        final_memory = strip_labels(final_memory)
     answer = _LEAD_IN.sub("", answer) if answer else answer
     words = _words(answer or "")
     terms = _question_terms(question)
@@ -250,6 +269,13 @@ def find_evidence(
         matches, grounded, reason = _ground(answer, words, terms, corpus, memory, max(max_items, 1))
         if not grounded and (as_list := _ground_list(answer or "", terms, corpus, memory, reason)):
             matches, grounded, reason = as_list
+        if grounded and not _names_an_amount(answer or "", question, corpus):
+            matches, grounded = [], False
+            reason = (
+                "The answer's text is found, but none of the amounts it states is printed in a "
+                "table row or sentence that names the question's terms: they may be another "
+                "line's figures."
+            )
     evidence = [corpus.evidence(m, "answer", page_starts) for m in matches]
     if grounded:
         reason = _with_pages(reason, evidence)
@@ -303,7 +329,11 @@ def _with_pages(reason: str, answer_evidence: Sequence[Evidence]) -> str:
     """The reason with its n-th page placeholder filled from the n-th answer match's page (a
     whole answer's reason names only its best match, the first)."""
     pieces = reason.split(_PAGE)
-    pages = ("" if item.page is None else f", page {item.page}" for item in answer_evidence)
+    pages = (
+        ("" if item.document is None else f" of {item.document}")
+        + ("" if item.page is None else f", page {item.page}")
+        for item in answer_evidence
+    )
     return pieces[0] + "".join(page + piece for page, piece in zip(pages, pieces[1:], strict=False))
 
 
@@ -364,8 +394,10 @@ class _Corpus:
         seg = self.segments[i]
         start, end = seg.char_start + match.start - lo, seg.char_start + match.end - lo
         quote = seg.text[match.start - lo : match.end - lo]
+        document = seg.document.label if seg.document else None
+        pages = seg.document.page_starts if seg.document else page_starts
         return Evidence(
-            seg.index, page_of(start, page_starts), start, end, quote, match.score, matches
+            seg.index, page_of(start, pages), start, end, quote, match.score, matches, document
         )
 
     def align(self, text: str, cutoff: float) -> list[_Match]:
@@ -522,8 +554,40 @@ def _ground_figure(
     besides = _content_words(answer[: stated.start] + " " + answer[stated.end :])
     if len([w for w in besides if w not in _UNIT_WORDS]) > FIGURE_ANSWER_MAX_WORDS:
         return None  # a sentence with a figure in it: the general rule matches it whole
+    printed, good = _figure_sites(stated, question, corpus)
+    shown = answer.strip()[stated.start : stated.end] or "the figure"
+    if not good:
+        if printed:
+            return (
+                [],
+                False,
+                (
+                    f"{shown} is printed {printed} time(s), but never in a table row or "
+                    "sentence that names the question's terms, so it may be another line's figure."
+                ),
+            )
+        return [], False, f"{shown} is not printed in the document."
+    best, near, is_row = good[0]
+    kind = "table row" if is_row else "sentence"
+    where = f"segment {corpus.segments[corpus.locate(best.start)[0]].index}{_PAGE}"
+    named = ", ".join(repr(t) for t in near)
+    matches = [match for match, _, _ in good[:max_items]]
+    return (
+        matches,
+        True,
+        f"{shown} is printed in a {kind} with the question's terms {named}, in {where}.",
+    )
+
+
+def _figure_sites(
+    stated: Figure, question: str, corpus: _Corpus
+) -> tuple[int, list[tuple[_Match, list[str], bool]]]:
+    """How often the figure `stated` is printed, and where it is printed in a record that names
+    the question's key terms (best first: most terms, then earliest), each with the terms found
+    and whether the record is a table row."""
     owners = frozenset(_lower(owner) for owner in _POSSESSOR.findall(question))
-    terms = [t for t in _question_terms(question, PERIOD_WORDS | owners) if not t.isdigit()]
+    dropped = PERIOD_WORDS | KIND_WORDS | owners
+    terms = [t for t in _question_terms(question, dropped) if not t.isdigit()]
     counts = {t: n for t in terms if (n := len(_term_positions(corpus, t)))}
     keys = {t for t in counts if counts[t] <= KEY_TERM_SPREAD * min(counts.values())}
     asked = set(_PERIOD_KEYS.findall(question.lower()))
@@ -540,30 +604,23 @@ def _ground_figure(
             continue
         if cells and _other_period(cell, cells, asked):
             continue
+        if is_row and not cells and not _first_amount(record, figure.start - start):
+            continue
         good.append((-len(near), _Match(figure.start, figure.end, 100.0), near, is_row))
-    shown = answer.strip()[stated.start : stated.end] or "the figure"
-    if not good:
-        if printed:
-            return (
-                [],
-                False,
-                (
-                    f"{shown} is printed {len(printed)} time(s), but never in a table row or "
-                    "sentence that names the question's terms, so it may be another line's figure."
-                ),
-            )
-        return [], False, f"{shown} is not printed in the document."
     good.sort(key=lambda item: (item[0], item[1].start))
-    _, best, near, is_row = good[0]
-    kind = "table row" if is_row else "sentence"
-    where = f"segment {corpus.segments[corpus.locate(best.start)[0]].index}{_PAGE}"
-    named = ", ".join(repr(t) for t in near)
-    matches = [match for _, match, _, _ in good[:max_items]]
-    return (
-        matches,
-        True,
-        f"{shown} is printed in a {kind} with the question's terms {named}, in {where}.",
-    )
+    return len(printed), [(match, near, is_row) for _, match, near, is_row in good]
+
+
+def _first_amount(row: str, at: int) -> bool:
+    """Whether the figure at `at` is the first amount of a row printed without its headers."""
+    return next((f.start for f in find_figures(row) if _is_amount(f)), at) >= at
+
+
+def _names_an_amount(answer: str, question: str, corpus: _Corpus) -> bool:
+    """Whether one of the amounts an answer states is printed in a record that names the
+    question's key terms (True for an answer without amounts)."""
+    amounts = [f for f in find_figures(answer) if _is_amount(f)]
+    return not amounts or any(_figure_sites(f, question, corpus)[1] for f in amounts)
 
 
 def _headed_parts(row: str, at: int) -> tuple[str, str, str]:
