@@ -280,6 +280,14 @@ def test_token_recall_is_lenient_and_all_mode_recalls_every_reference() -> None:
     scores = score(["Acme, Inc.", "Beta LLC"], "all", "Acme Inc and Beta", "...")
     assert scores["token_recall"] == pytest.approx(0.75)
     assert scores["string_match_all"] == 0.0  # "Acme, Inc." is not there verbatim
+    assert scores["accuracy"] == 0.5  # "Acme Inc" is, normalized; "Beta LLC" is not
+
+
+def test_all_mode_accuracy_reads_references_normalized_and_whole() -> None:
+    parties = ["VITALIBIS INC", "VOTOCAST, Inc."]
+    assert score(parties, "all", "VITALIBIS, INC., VOTOCAST, Inc", "")["accuracy"] == 1.0
+    assert score(parties, "all", "VITALIBIS, INC", "")["accuracy"] == 0.5
+    assert score(["123", "456"], "all", "1234 and 456", "")["accuracy"] == 0.5
 
 
 def prediction(method: str, accuracy: float, **fields: Any) -> Prediction:
@@ -763,7 +771,7 @@ def parse_eval_arguments(*argv: str) -> argparse.Namespace:
 def test_quick_resolves_small_defaults_and_explicit_options_win() -> None:
     quick = resolve_request(parse_eval_arguments("--quick"), context_window=8192)
     assert quick.samples == QUICK.samples and [x.label for x in quick.lengths] == ["8k"]
-    assert quick.settings.max_answer_tokens == QUICK.max_answer_tokens
+    assert quick.settings.max_answer_tokens == QUICK.method["max_answer_tokens"]
     assert quick.time_budget_min == QUICK.time_budget_min
     explicit = resolve_request(
         parse_eval_arguments("--quick", "--samples", "5", "--lengths", "32k", "--tasks", "niah"),

@@ -70,6 +70,15 @@ def string_match_all(prediction: str, references: list[str]) -> float:
     return found / len(references) if references else 0.0
 
 
+def normalized_match_all(prediction: str, references: list[str]) -> float:
+    """The share of references whose normalized words appear, whole and in order, in the
+    normalized prediction: "VITALIBIS, INC., VOTOCAST, Inc" gives both "VITALIBIS INC" and
+    "VOTOCAST, Inc.", which `string_match_all` misses for a comma; "123" is not in "1234"."""
+    said = f" {normalize_answer(prediction)} "
+    found = sum(f" {ref} " in said for ref in map(normalize_answer, references) if ref)
+    return found / len(references) if references else 0.0
+
+
 def string_match_any(prediction: str, references: list[str]) -> float:
     """RULER scoring for QA tasks: 1 when any reference appears."""
     return float(any(ref.lower() in prediction.lower() for ref in references))

@@ -16,6 +16,7 @@ from pipeline.core.extraction import (
     exact_match,
     f1_score,
     normalize_answer,
+    normalized_match_all,
     string_match_all,
     string_match_any,
     sub_exact_match,
@@ -54,10 +55,11 @@ def token_recall(prediction: str, reference: str) -> float:
 def score(
     answers: Sequence[str], mode: AnswerMode, prediction: str | None, raw_response: str | None
 ) -> dict[str, float]:
-    """`accuracy` is the headline: sub_em (best reference) for "any", string_match_all for
-    "all", the figure's value for "figure". With several references EM, sub_em and F1 take the
-    best one; token recall takes the best one for "any" and all of them together for "all";
-    string_match_any/all count the references found in the prediction."""
+    """`accuracy` is the headline: sub_em (best reference) for "any", the share of references
+    given (normalized, whole words) for "all", the figure's value for "figure". With several
+    references EM, sub_em and F1 take the best one; token recall takes the best one for "any"
+    and all of them together for "all"; string_match_any/all count the references found
+    verbatim in the prediction (RULER's scoring)."""
     references = list(answers)
     raw = raw_response or ""
     match_raw = string_match_all if mode == "all" else string_match_any
@@ -83,7 +85,7 @@ def score(
     if mode == "figure":
         scores["accuracy"] = float(states_figure(prediction, references))
     elif mode == "all":
-        scores["accuracy"] = scores["string_match_all"]
+        scores["accuracy"] = normalized_match_all(prediction, references)
     else:
         scores["accuracy"] = scores["sub_em"]
     return scores
