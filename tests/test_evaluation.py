@@ -54,6 +54,7 @@ from pipeline.evaluation.niah import VARIANTS, NiahBuilder, NiahCase
 from pipeline.evaluation.regrade import regrade
 from pipeline.evaluation.report import (
     ACCURACY_PLOT,
+    HEADLINE,
     RESULTS_JSON,
     RESULTS_MARKDOWN,
     GroundingStats,
@@ -72,6 +73,7 @@ from pipeline.evaluation.results import (
 from pipeline.evaluation.samples import EvalSample, LengthSpec, count_tokens, parse_lengths
 from pipeline.evaluation.suite import (
     NATIVE_LENGTH_LABEL,
+    TASKS,
     SampleGroup,
     SuiteOutcome,
     parse_tasks,
@@ -882,3 +884,7 @@ def test_regrading_a_folder_without_a_run_says_so_and_writes_nothing(
     assert main.main(["eval", "--regrade", "--output", str(empty)]) == 2
     assert "nothing to re-grade" in capsys.readouterr().err
     assert not empty.exists()
+
+
+def test_every_task_has_its_headline_metric_in_the_report() -> None:
+    assert set(TASKS) <= set(HEADLINE)

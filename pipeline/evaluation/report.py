@@ -26,10 +26,11 @@ ACCURACY_PLOT = "accuracy_vs_length.png"
 
 HEADLINE = {
     "hotpotqa": "sub_em",
-    "niah": "string_match_all",
-    "cuad": "sub_em; parties: string_match_all",
+    "niah": "the share of values given (normalized, whole words)",
+    "cuad": "sub_em; parties: the share given (normalized, whole words)",
     "sec10q": "the figure's value",
     "sec10q-tune": "the figure's value",
+    "sec10q-across": "the figure's value",
 }
 METRIC_COLUMNS = (
     ("accuracy", "accuracy"),
