@@ -8,11 +8,12 @@ is a figure of the tuning part (tests/test_sec10q_questions.py checks it by valu
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from operators.parsing import ParseError, parse_document
+from operators.parsing import ParsedText, ParseError, parse_document
 from pipeline.corpora import check_root
 
 QUESTIONS_FILE = Path(__file__).with_name("sec10q_questions.jsonl")
@@ -51,11 +52,14 @@ def load_questions(path: Path = QUESTIONS_FILE) -> list[FigureQuestion]:
 def load_filings(root: Path, names: set[str]) -> dict[str, str]:
     """The parsed text of each named filing, parsed as `memstream ask` parses a PDF."""
     folder = check_root(root) / FILINGS_FOLDER
-    texts = {}
-    for name in sorted(names):
-        path = folder / name
-        try:
-            texts[name] = parse_document(path.read_bytes(), path.name).text
-        except ParseError as error:
-            raise ValueError(f"{path}: {error.reason}") from None
-    return texts
+    return {name: parse_filing(folder / name).text for name in sorted(names)}
+
+
+@functools.lru_cache(maxsize=32)
+def parse_filing(path: Path) -> ParsedText:
+    """A filing parsed once a process: eval's tasks and the training tasks read the same 15
+    filings, about 5 s of parsing each."""
+    try:
+        return parse_document(path.read_bytes(), path.name)
+    except ParseError as error:
+        raise ValueError(f"{path}: {error.reason}") from None

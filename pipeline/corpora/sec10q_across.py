@@ -10,15 +10,13 @@ figure with its filing, the 1-based PDF page it is printed on and the row it is 
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from operators.parsing import ParseError, parse_document
 from pipeline.corpora import check_root
-from pipeline.corpora.sec10q import FILINGS_FOLDER
+from pipeline.corpora.sec10q import FILINGS_FOLDER, parse_filing
 
 QUESTIONS_FILE = Path(__file__).with_name("sec10q_across_questions.jsonl")
 OPERATIONS = ("difference", "sum", "max")
@@ -86,10 +84,6 @@ def load_parsed_filings(root: Path, names: set[str]) -> dict[str, ParsedFiling]:
     return {name: _parsed(folder / name) for name in sorted(names)}
 
 
-@functools.cache
 def _parsed(path: Path) -> ParsedFiling:
-    try:
-        parsed = parse_document(path.read_bytes(), path.name)
-    except ParseError as error:
-        raise ValueError(f"{path}: {error.reason}") from None
+    parsed = parse_filing(path)
     return ParsedFiling(path.name, parsed.text, tuple(parsed.page_starts))
