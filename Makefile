@@ -19,6 +19,17 @@ SOAK_ARGS ?=
 # `make train`: the CPU demonstration of Multi-Conv DAPO (bench/train_demo.py); resumes a run
 # that was stopped. TRAIN_ARGS go to the script (e.g. --steps 10).
 TRAIN_ARGS ?=
+# `make train-default`: Multi-Conv DAPO on the default model (qwen2.5-coder-0.5b-instruct, LoRA
+# rank 8) in the format users run: its default strategy verified-quotes, the multi-fact and
+# filing-figures tasks in turn, 1,000-token chunks and a 256-token memory (the longest the time
+# box affords; docs/guide/training.md#training-the-default-model), the learner in
+# TRAIN_DEFAULT_DTYPE (bench/results/learner_dtype.md), the held-out split scored every 5 steps.
+# Resumes where it stopped; its log is appended to TRAIN_DEFAULT_OUT/train.log. Hours: start it
+# in the background (`nohup make train-default &`) and apply the stop rule in the guide.
+# TRAIN_DEFAULT_ARGS go last to `memstream train` (e.g. --steps 1 --samples-per-step 1).
+TRAIN_DEFAULT_OUT ?= runs/train-default
+TRAIN_DEFAULT_DTYPE ?= bfloat16
+TRAIN_DEFAULT_ARGS ?=
 # `make train-verl`: the same tasks, templates and reward as verl's inputs for a GPU cluster
 # (`memstream train --backend verl`, docs/guide/training.md), written to VERL_OUT; then the files
 # go on the volume infra/k8s/rayjob-verl.yaml mounts. VERL_ARGS go to the command (e.g. --model
@@ -38,7 +49,8 @@ AUDIT_ARGS ?=
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-runtime models demo test test-fast docs bench soak lint train train-verl lock audit
+.PHONY: setup setup-runtime models demo test test-fast docs bench soak lint train train-default \
+	train-verl lock audit
 
 setup:
 	@bash infra/setup.sh
@@ -78,6 +90,19 @@ soak: setup models
 
 train: setup models
 	$(BIN)/python bench/train_demo.py --resume $(TRAIN_ARGS)
+
+train-default: setup
+	$(BIN)/memstream models pull qwen2.5-coder-0.5b-instruct
+	mkdir -p $(TRAIN_DEFAULT_OUT)
+	$(BIN)/memstream train --output $(TRAIN_DEFAULT_OUT) --resume \
+	  --model qwen2.5-coder-0.5b-instruct --template verified-quotes \
+	  --task multi-fact+filing-figures --n-segments 3 --segment-tokens 1000 \
+	  --chunk-size 1000 --max-memory-tokens 256 --max-answer-tokens 64 \
+	  --lora --lora-rank 8 --lora-alpha 16 --learner-dtype $(TRAIN_DEFAULT_DTYPE) \
+	  --preset dapo --steps 60 --samples-per-step 4 --group-size 4 \
+	  --learning-rate 2e-5 --warmup-steps 4 --mini-batch-conversations 16 \
+	  --max-model-len 4096 --kv-cache-gib 2 --heldout-every 5 --heldout-samples 40 \
+	  $(TRAIN_DEFAULT_ARGS) >> $(TRAIN_DEFAULT_OUT)/train.log 2>&1
 
 train-verl: setup
 	$(BIN)/memstream train --backend verl --output $(VERL_OUT) $(VERL_ARGS)

@@ -51,6 +51,7 @@ TITLES = {
     "demo_strategies": "Demo facts by memory strategy",
     "engine_efficiency": "Engine efficiency",
     "incremental": "Incremental runs",
+    "learner_dtype": "Learner precision: float32 against bfloat16",
     "multi_question": "Several questions per document",
     "needle_update_probe": "Needle update probe",
     "pdf_parsers": "PDF parsers",

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from pipeline.core.figures import is_table_row
 from pipeline.core.templates import defang
@@ -54,7 +55,14 @@ from pipeline.training.tasks import (
     read_jsonl,
     write_jsonl,
 )
-from pipeline.training.trainer import task_samples
+from pipeline.training.trainer import (
+    HELDOUT_FILE,
+    SampleSource,
+    heldout_summary,
+    score_heldout_when_due,
+    task_of,
+    task_samples,
+)
 from pipeline.training.verl_export import dataset_rows
 from pipeline.training.verl_reward import compute_score
 
@@ -529,3 +537,102 @@ def test_new_tasks_feed_the_trainer_and_the_verl_export(task: str, corpora: Path
     rows = dataset_rows(config, samples, split="train")
     assert [row["data_source"] for row in rows] == [f"memstream/{task}"] * 3
     assert [row["extra_info"]["answer_mode"] for row in rows] == [s.answer_mode for s in samples]
+
+
+# --- a mix of tasks ----------------------------------------------------------------------------
+
+
+def test_a_task_mix_draws_each_task_in_turn_by_seed_split_and_index(corpora: Path) -> None:
+    mix = TrainConfig(
+        output=Path("unused"), task="multi-fact+table-figures", n_segments=2, segment_tokens=200
+    )
+    assert mix.tasks() == ("multi-fact", "table-figures")
+    drawn = task_samples(mix, WordTokenizer(), 5, split="train", first=3)
+    for index, sample in enumerate(drawn, start=3):
+        task = task_of(mix, index)
+        assert task == ("multi-fact", "table-figures")[index % 2]
+        alone = mix.model_copy(update={"task": task})
+        assert sample == task_samples(alone, WordTokenizer(), 1, split="train", first=index // 2)[0]
+        assert isinstance(sample, NeedleSample if task == "multi-fact" else TableFigureSample)
+    # A window of the mix is the same samples as in a longer draw, for every split and seed.
+    assert task_samples(mix, WordTokenizer(), 2, split="train", first=4) == drawn[1:3]
+    heldout = task_samples(mix, WordTokenizer(), 4, split="heldout", seed=1)
+    assert [type(s) for s in heldout] == [NeedleSample, TableFigureSample] * 2
+    assert heldout != task_samples(mix, WordTokenizer(), 4, split="heldout", seed=2)
+    # A step draws from both tasks.
+    step = SampleSource(mix.model_copy(update={"samples_per_step": 2}), WordTokenizer()).draw(1, 0)
+    assert [type(s) for s in step] == [NeedleSample, TableFigureSample]
+
+
+def test_a_single_task_draws_as_before(corpora: Path) -> None:
+    config = TrainConfig(output=Path("unused"), task="multi-fact", n_segments=2, segment_tokens=200)
+    assert config.tasks() == ("multi-fact",)
+    assert task_samples(config, WordTokenizer(), 3, split="train", first=2) == (
+        generate_needle_samples(
+            3, seed=0, split="train", n_segments=2, segment_tokens=200, n_distractors=3,
+            count_tokens=lambda text: len(text.split()), first=2,
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("task", "problem"),
+    [("multi-fact+nope", "unknown task 'nope'"), ("cuad+cuad", "twice"), ("", "unknown task")],
+)
+def test_a_task_mix_names_known_tasks_once(task: str, problem: str) -> None:
+    with pytest.raises(ValidationError, match=problem):
+        TrainConfig(output=Path("unused"), task=task)
+
+
+def test_heldout_scores_are_reported_per_task() -> None:
+    rows = [
+        {"task": "multi-fact", "strict": 1.0, "raw": 1.0},
+        {"task": "filing-figures", "strict": 0.0, "raw": 1.0},
+        {"task": "multi-fact", "strict": 0.0, "raw": 0.0},
+        {"task": "filing-figures", "strict": 0.0, "raw": 0.0},
+    ]
+    assert heldout_summary(rows) == {
+        "strict": 0.25, "raw": 0.5, "n": 4,
+        "tasks": {
+            "multi-fact": {"strict": 0.5, "raw": 0.5, "n": 2},
+            "filing-figures": {"strict": 0.0, "raw": 0.5, "n": 2},
+        },
+    }  # fmt: skip
+
+
+def test_heldout_scoring_runs_when_due_and_once_a_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipeline.training import trainer
+
+    calls: list[tuple[str, int]] = []
+    scores = iter([0.25, 0.5, 0.25])
+
+    def fake_score(
+        config: TrainConfig, weights: Path, n: int, **_: object
+    ) -> list[dict[str, object]]:
+        calls.append((Path(weights).name, n))
+        return [{"task": "multi-fact", "strict": next(scores), "raw": 1.0}]
+
+    monkeypatch.setattr(trainer, "score_heldout", fake_score)
+    monkeypatch.setattr(trainer.models, "resolve", lambda name: str(tmp_path / "base" / name))
+    never = TrainConfig(output=tmp_path / "run", task="multi-fact")
+    assert score_heldout_when_due(never, 0, log=lambda _: None) is None
+    config = never.model_copy(update={"heldout_every": 5, "heldout_samples": 8})
+    adapter = config.output / trainer.CHECKPOINT_DIR / trainer.ADAPTER_DIR
+    adapter.mkdir(parents=True)
+    for step in (0, 3, 5, 5, 10):  # 5 twice: a resumed run does not score a step again
+        (adapter / "adapter_model.safetensors").write_text(f"step {step}")
+        score_heldout_when_due(config, step, log=lambda _: None)
+    assert calls == [
+        ("smollm2-135m-instruct", 8), (trainer.CHECKPOINT_DIR, 8), (trainer.CHECKPOINT_DIR, 8)
+    ]  # fmt: skip
+    lines = [json.loads(line) for line in (config.output / HELDOUT_FILE).read_text().splitlines()]
+    assert [(line["step"], line["strict"], line["best"]) for line in lines] == [
+        (0, 0.25, True), (5, 0.5, True), (10, 0.25, False)
+    ]  # fmt: skip
+    assert lines[0]["tasks"] == {"multi-fact": {"strict": 0.25, "raw": 1.0, "n": 1}}
+    # The adapter of the best scoring (step 5) is kept apart; the checkpoint moved on.
+    best = config.output / trainer.BEST_ADAPTER_DIR
+    assert (best / "adapter_model.safetensors").read_text() == "step 5"
+    assert json.loads((best / "step.json").read_text()) == {"step": 5}

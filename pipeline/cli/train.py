@@ -53,7 +53,8 @@ def register(subparsers: Any) -> None:
 NATIVE_ONLY = (
     "resume", "learner", "learner_workers", "learner_gpus_per_worker", "learner_cpus_per_worker",
     "learner_storage", "rollout_actors", "rollout_cpus_per_actor", "rollout_gpus_per_actor",
-    "ray_address", "kv_cache_gib", "max_model_len", "micro_batch_tokens",
+    "ray_address", "kv_cache_gib", "max_model_len", "micro_batch_tokens", "learner_dtype",
+    "heldout_every", "heldout_samples",
 )  # fmt: skip
 VERL_ONLY = ("verl_cluster_dir", "verl_nodes", "verl_gpus_per_node")
 

@@ -6,9 +6,9 @@ Kept apart from the trainer so that building the command line imports no torch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, cast, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.config import (
     ChunkSize,
@@ -30,7 +30,35 @@ if TYPE_CHECKING:
 
 PresetName = Literal["memagent", "dapo"]
 TaskName = Literal["keep-the-fact", "multi-fact", "table-figures", "filing-figures", "cuad"]
+TASK_NAMES: tuple[TaskName, ...] = get_args(TaskName)
+TASK_MIX_SEPARATOR = "+"
 LearnerPlacement = Literal["in-process", "ray-train"]
+# float32: the weights and every op in float32. bfloat16: the weights stay float32 (the master
+# copy AdamW updates), the forward and backward run under torch.autocast to bfloat16 (matmuls in
+# bfloat16, reductions and the log-softmax in float32).
+LearnerDtype = Literal["float32", "bfloat16"]
+
+
+def mix_tasks(value: str) -> tuple[TaskName, ...]:
+    """The tasks of `--task`: one name, or several joined by "+" (each at most once)."""
+    names = value.split(TASK_MIX_SEPARATOR)
+    unknown = [name for name in names if name not in TASK_NAMES]
+    if unknown:
+        raise ValueError(
+            f"unknown task {', '.join(map(repr, unknown))}: one of {', '.join(TASK_NAMES)}, or "
+            f"several joined by {TASK_MIX_SEPARATOR!r}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"--task {value}: a task appears twice in the mix")
+    return cast("tuple[TaskName, ...]", tuple(names))
+
+
+def _check_task_mix(value: str) -> str:
+    mix_tasks(value)
+    return value
+
+
+TaskMix = Annotated[str, AfterValidator(_check_task_mix)]
 
 
 class TrainConfig(BaseModel):
@@ -47,10 +75,13 @@ class TrainConfig(BaseModel):
         description="JSON Lines of {document, question, answers}: train on your own archive. "
         "Default: the task `--task` names.",
     )
-    task: TaskName = Field(
+    task: TaskMix = Field(
         "keep-the-fact",
-        description="Training task without --answers: keep-the-fact (an access code among "
-        "distractors in prose, pipeline.training.tasks); multi-fact (NIAH's multi-key and "
+        description="Training task without --answers, or several joined by '+' (e.g. "
+        "multi-fact+filing-figures: sample i is task i mod k's sample i // k, so each step "
+        "draws from every task in turn; held-out scores are reported per task): "
+        "keep-the-fact (an access code among distractors in prose, pipeline.training.tasks); "
+        "multi-fact (NIAH's multi-key and "
         "multi-value needles in turn among distractors, pipeline.training.needle_facts); "
         "table-figures (a figure of a synthetic table, its rows written as the PDF parser "
         "writes them under their column headers, in prose); filing-figures (a figure of a "
@@ -78,6 +109,12 @@ class TrainConfig(BaseModel):
     mini_batch_conversations: int = Field(32, ge=1, description="Conversations per optimiser step.")
     epochs_per_batch: int = Field(1, ge=1, description="Passes over each rollout batch.")
     micro_batch_tokens: int = Field(4096, ge=64, description="Padded tokens per forward pass.")
+    learner_dtype: LearnerDtype = Field(
+        "float32",
+        description="The learner's compute precision: float32, or bfloat16 (float32 master "
+        "weights and optimiser, forward and backward under torch.autocast to bfloat16; "
+        "log-probabilities, ratios and KL in float32). The rollout engine stays float32.",
+    )
     lora: bool = Field(
         False,
         description="Train LoRA adapters on every linear layer instead of all weights (peft, in "
@@ -94,6 +131,15 @@ class TrainConfig(BaseModel):
     max_model_len: Annotated[MaxModelLen, Field(ge=256)] = 2048  # of the rollout engine
     kv_cache_gib: KvCacheGib = 1  # of the rollout engine
     resume: bool = Field(False, description="Continue the run in `output` from its checkpoint.")
+    heldout_every: int = Field(
+        0,
+        ge=0,
+        description="Score the held-out split every this many steps (and the starting weights "
+        "first), greedy, one line a time in heldout.jsonl: the stop rule's measure; 0: never.",
+    )
+    heldout_samples: int = Field(
+        40, ge=1, description="Held-out samples a --heldout-every scoring takes (a mix: in turn)."
+    )
     learner: LearnerPlacement = Field(
         "in-process",
         description="Where the learner's optimiser steps run: in-process (this process, between "
@@ -187,4 +233,9 @@ class TrainConfig(BaseModel):
             lora=self.lora,
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
+            dtype=self.learner_dtype,
         )
+
+    def tasks(self) -> tuple[TaskName, ...]:
+        """The tasks `--task` names, in its order (one for a single task)."""
+        return mix_tasks(self.task)

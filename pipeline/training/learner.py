@@ -1,5 +1,9 @@
 """The learner: a causal LM in fp32 trained on a rollout batch's conversations by Multi-Conv DAPO.
 
+The weights are float32; with `dtype="bfloat16"` the forward and backward passes run under
+bfloat16 autocast (mixed precision: float32 master weights and AdamW state, bfloat16 matmuls),
+the logits cast back to float32 before the log-softmax.
+
 A rollout batch is a flat list of `Conversation`s (every update and final conversation of every
 chain), each with the advantage of the chain it belongs to. `Learner.step` recomputes the old
 log-probabilities with the current weights (so the ratio starts at exactly 1, whatever precision
@@ -49,6 +53,7 @@ from pipeline.training.algorithm import (
     low_var_kl,
     token_mean,
 )
+from pipeline.training.config import LearnerDtype
 
 # What makes a weights folder loadable as a model beside config.json and the safetensors.
 TOKENIZER_FILES = (
@@ -160,6 +165,12 @@ class LearnerConfig(BaseModel):
         description="Train LoRA adapters on every linear layer instead of all weights (needs "
         "peft: the `train` extra). Checkpoints and exports hold the merged weights.",
     )
+    dtype: LearnerDtype = Field(
+        "float32",
+        description="Compute precision. float32: weights and every op. bfloat16: float32 master "
+        "weights (AdamW updates them), forward and backward under torch.autocast to bfloat16, "
+        "the logits cast back to float32 before the log-softmax.",
+    )
     lora_rank: int = Field(16, ge=1, description="LoRA rank r.")
     lora_alpha: float = Field(32.0, gt=0.0, description="LoRA alpha; updates scale by alpha/r.")
 
@@ -201,6 +212,7 @@ class StepMetrics:
     tokens_per_s: float
     seconds: float
     mini_batches: tuple[MiniBatchMetrics, ...]
+    dtype: str = "float32"  # the learner's compute precision (LearnerConfig.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -240,7 +252,10 @@ class ResponseLogits(torch.nn.Module):
         hidden = self.model.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False
         ).last_hidden_state
-        logits = self.model.get_output_embeddings()(hidden[rows, positions]).float()
+        # The LM head in float32 also under bfloat16 autocast: logits of about 20 in bfloat16
+        # are 0.06-0.125 apart, an error every log-probability would carry.
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = self.model.get_output_embeddings()(hidden[rows, positions].float()).float()
         softcap = getattr(self.model.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
@@ -437,6 +452,7 @@ class Learner:
             tokens_per_s=passed_tokens / seconds,
             seconds=seconds,
             mini_batches=tuple(steps),
+            dtype=self.config.dtype,
         )
 
     def skip_batch(self) -> None:
@@ -544,6 +560,14 @@ class Learner:
             loss = loss - algorithm.entropy_coef * entropy_term
         return loss, stats_sums, kl_value, entropy_value
 
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's precision (its backward follows it): bfloat16 autocast over float32
+        weights with `dtype` bfloat16, else nothing. `ResponseLogits` casts its logits back to
+        float32, so the log-softmax, ratios and KL are float32 either way."""
+        if self.config.dtype == "float32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
     def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
         """DDP's all-reduce on this backward only when `sync` (a worker's last micro-batch of
         the step); without DDP, nothing to hold back."""
@@ -646,7 +670,8 @@ class Learner:
         row_index = torch.tensor(rows, device=self.device)
         position_index = torch.tensor(positions, device=self.device)
         slot_index = torch.tensor(slots, device=self.device)
-        logits = model(input_ids, attention, row_index, position_index)
+        with self._autocast():
+            logits = model(input_ids, attention, row_index, position_index)
         targets = input_ids[row_index, position_index + 1]
         all_logprobs = torch.log_softmax(logits, dim=-1)
         token_logprobs = all_logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

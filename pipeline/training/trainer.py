@@ -13,7 +13,9 @@ Each step:
    become group advantages broadcast to every conversation of their chain, and the learner
    takes its optimiser steps: in this process, or on Ray Train (`--learner ray-train`,
    pipeline.training.ray_learner), the same code either way;
-4. the learner's checkpoint is written atomically, and one line of metrics appended.
+4. the learner's checkpoint is written atomically, and one line of metrics appended;
+5. with `heldout_every`, every so many steps (and before the first) the held-out split is
+   scored on the checkpoint, one line in `heldout.jsonl`: the measure of a run's stop rule.
 
 A run resumes from its checkpoint (`resume=True`): the step count, optimiser, scheduler and RNG
 state come back, and step k draws the same samples whenever it runs.
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,15 +44,17 @@ from pipeline.training.algorithm import (
     keep_informative_groups,
     overlong_penalty,
 )
-from pipeline.training.config import TrainConfig
+from pipeline.training.config import TaskName, TrainConfig
 from pipeline.training.contract_fields import generate_field_samples
 from pipeline.training.learner import (
+    ADAPTER_DIR,
     Conversation,
     Learner,
     LearnerConfig,
     StepMetrics,
     append_metrics,
     existing_checkpoint,
+    write_atomically,
 )
 from pipeline.training.needle_facts import generate_needle_samples
 from pipeline.training.rollout import (
@@ -66,6 +72,8 @@ from pipeline.training.tasks import Split, generate_samples, read_jsonl
 
 CHECKPOINT_DIR = models.RUN_WEIGHTS_DIR
 METRICS_FILE = "metrics.jsonl"
+HELDOUT_FILE = "heldout.jsonl"  # with --heldout-every: a line per scoring, {"step": k, ...}
+BEST_ADAPTER_DIR = "best-adapter"  # LoRA: the adapter of the best held-out scoring so far
 CONFIG_FILE = "train.json"
 ROLLOUTS_DIR = "rollouts"  # step-<k>.jsonl: every chain of step k, its ids, reward and answer
 RAY_TRAIN_DIR = "ray-train"  # Ray Train's storage_path by default (--learner ray-train)
@@ -160,16 +168,69 @@ def run_training(
         engines = open_rollout_engines(config)
         sampler = SampleSource(config, load_tokenizer(base))
         written = []
+        score_heldout_when_due(config, learner.updates, log=log)
         while learner.updates < config.steps:
             step = learner.updates + 1
             weights = checkpoint if checkpoint.is_dir() else Path(base)
             batch = asyncio.run(_roll_out(config, engines, weights, sampler, step))
             written.append(learn_from_batch(config, learner, step, batch, log=log))
+            score_heldout_when_due(config, learner.updates, log=log)
     finally:
         if engines is not None:
             engines.close()
         learner.close()
     return written
+
+
+def score_heldout_when_due(
+    config: TrainConfig, step: int, *, log: Callable[[str], object] = print
+) -> dict[str, Any] | None:
+    """With `--heldout-every N`: after step 0 (the starting weights) and every N-th step, the
+    held-out split scored on the run's weights (`score_heldout`, `--heldout-samples`), its
+    summary appended to `heldout.jsonl` and returned; `best` says whether its strict score beat
+    every earlier line, and with LoRA the adapter of such a step is copied to `best-adapter/`
+    (the checkpoint moves on). A step already there is not scored again, so a run killed
+    before its line was written scores it when it resumes."""
+    every = config.heldout_every
+    path = config.output / HELDOUT_FILE
+    if not every or step % every or step in heldout_steps(path):
+        return None
+    checkpoint = config.output / CHECKPOINT_DIR
+    weights = checkpoint if step and checkpoint.is_dir() else Path(models.resolve(config.model))
+    started = time.perf_counter()
+    summary = heldout_summary(score_heldout(config, weights, config.heldout_samples))
+    summary["seconds"] = time.perf_counter() - started
+    best = max((line["strict"] for line in heldout_lines(path)), default=None)
+    summary["best"] = best is None or summary["strict"] > best
+    adapter = weights / ADAPTER_DIR
+    if summary["best"] and step and adapter.is_dir():  # LoRA: keep the best adapter apart
+        write_atomically(config.output / BEST_ADAPTER_DIR, partial(_copy_adapter, adapter, step))
+    append_metrics(path, step, summary)
+    per_task = ", ".join(
+        f"{task} {values['strict']:.3f}" for task, values in summary["tasks"].items()
+    )
+    log(
+        f"held-out after step {step}: strict {summary['strict']:.3f}, raw {summary['raw']:.3f} "
+        f"(n={summary['n']}; {per_task}), {summary['seconds']:.0f} s"
+    )
+    return {"step": step, **summary}
+
+
+def heldout_lines(path: Path) -> list[dict[str, Any]]:
+    """The lines of `heldout.jsonl` at `path`, in order (none if it is not there)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def heldout_steps(path: Path) -> set[int]:
+    """The steps `heldout.jsonl` at `path` has a line for."""
+    return {int(line["step"]) for line in heldout_lines(path)}
+
+
+def _copy_adapter(adapter: Path, step: int, folder: Path) -> None:
+    shutil.copytree(adapter, folder, dirs_exist_ok=True)
+    (folder / "step.json").write_text(json.dumps({"step": step}) + "\n")
 
 
 def learn_from_batch(
@@ -238,8 +299,43 @@ def task_samples(
 ) -> list[TrainingSample]:
     """Samples `first` to `first + n - 1` of the config's task, on `split`; the generated
     tasks draw with `seed` (the config's by default) and measure their segments with the
-    tokenizer."""
-    if config.task == "cuad":
+    tokenizer. A mix of k tasks takes sample i from task i mod k, as that task's sample i // k
+    (`task_of`): every sample depends only on (seed, split, index), and a step's samples
+    come from every task in turn."""
+    tasks = config.tasks()
+    if len(tasks) == 1:
+        return _one_task_samples(
+            tasks[0], config, tokenizer, n, split=split, seed=seed, first=first
+        )
+    k = len(tasks)
+    drawn: dict[int, Iterator[TrainingSample]] = {}
+    for position, task in enumerate(tasks):
+        local = [index // k for index in range(first, first + n) if index % k == position]
+        if local:  # consecutive indices of the task's own sequence
+            own = _one_task_samples(
+                task, config, tokenizer, len(local), split=split, seed=seed, first=local[0]
+            )
+            drawn[position] = iter(own)
+    return [next(drawn[index % k]) for index in range(first, first + n)]
+
+
+def task_of(config: TrainConfig, index: int) -> TaskName:
+    """The task sample `index` of `task_samples` comes from."""
+    tasks = config.tasks()
+    return tasks[index % len(tasks)]
+
+
+def _one_task_samples(
+    task: TaskName,
+    config: TrainConfig,
+    tokenizer: Any,
+    n: int,
+    *,
+    split: Split,
+    seed: int | None,
+    first: int,
+) -> list[TrainingSample]:
+    if task == "cuad":
         return list(generate_field_samples(n, split=split, first=first))
 
     def count_tokens(text: str) -> int:
@@ -247,8 +343,8 @@ def task_samples(
 
     seed = config.seed if seed is None else seed
     n_segments, segment_tokens = config.n_segments, config.segment_tokens
-    if config.task in ("table-figures", "filing-figures"):
-        synthetic = config.task == "table-figures"
+    if task in ("table-figures", "filing-figures"):
+        synthetic = task == "table-figures"
         tables = generate_table_samples if synthetic else generate_filing_samples
         return list(
             tables(
@@ -256,7 +352,7 @@ def task_samples(
                 count_tokens=count_tokens, first=first,
             )
         )  # fmt: skip
-    facts = generate_needle_samples if config.task == "multi-fact" else generate_samples
+    facts = generate_needle_samples if task == "multi-fact" else generate_samples
     return list(
         facts(
             n, seed=seed, split=split, n_segments=n_segments, segment_tokens=segment_tokens,
@@ -394,8 +490,9 @@ def score_heldout(
     config: TrainConfig, weights: str | Path, n_samples: int, *, seed: int = 1
 ) -> list[dict[str, Any]]:
     """The model in `weights` on `n_samples` held-out samples, greedy: each sample's answer and
-    its scores by the answer format (`strict`) and anywhere in the reply (`raw`): the
-    before/after measure of a run. Held-out samples share no text with the training split
+    its task and its scores by the answer format (`strict`) and anywhere in the reply (`raw`):
+    the before/after measure of a run (`heldout_summary` gives them per task). A task mix's
+    samples take the tasks in turn. Held-out samples share no text with the training split
     (keep-the-fact, multi-fact, table-figures: nor keys; filing-figures: other filings and
     no gold figure of a training question; cuad: other contracts,
     pipeline.training.contract_fields)."""
@@ -415,10 +512,13 @@ def score_heldout(
             await engine.shutdown()
 
     scored = []
-    for sample, (rollout,) in zip(samples, asyncio.run(roll_out()), strict=True):
+    for index, (sample, (rollout,)) in enumerate(
+        zip(samples, asyncio.run(roll_out()), strict=True)
+    ):
         mode = sample.answer_mode
         scored.append(
             {
+                "task": task_of(config, index) if config.answers is None else "answers",
                 "sample_id": sample.sample_id,
                 "answers": sample.answers,
                 "answer": rollout.answer,
@@ -430,3 +530,21 @@ def score_heldout(
             }
         )
     return scored
+
+
+def heldout_summary(scored: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Mean strict and raw scores of `score_heldout`'s rows and their count, overall and (in
+    `tasks`) per task."""
+
+    def means(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        n = len(rows)
+        return {
+            "strict": sum(float(row["strict"]) for row in rows) / n if n else 0.0,
+            "raw": sum(float(row["raw"]) for row in rows) / n if n else 0.0,
+            "n": n,
+        }
+
+    tasks: dict[str, list[Mapping[str, Any]]] = {}
+    for row in scored:
+        tasks.setdefault(str(row.get("task", "")), []).append(row)
+    return {**means(scored), "tasks": {task: means(rows) for task, rows in tasks.items()}}
