@@ -23,8 +23,8 @@ from typing import Any
 
 import common
 
+from operators.core.templates import TEMPLATE_SETS
 from pipeline.cli.evaluate import recorded_template_digests
-from pipeline.core.templates import TEMPLATE_SETS
 from pipeline.evaluation.report import RESULTS_JSON, GroundingStats, read_results
 from pipeline.evaluation.results import (
     ConfigurationRun,

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from connectors.engines.hardware import detect
 from connectors.processes import ServerProcess, free_port, start_memstream_serve
-from pipeline.engines.hardware import detect
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -118,9 +118,9 @@ async def closed_loop(
 @asynccontextmanager
 async def in_process_asker(settings: BenchSettings) -> AsyncIterator[Ask]:
     """The project's runner on a VLLMEngine in this process, as `memstream ask` uses it."""
+    from connectors.engines.factory import EngineSpec, load_tokenizer, open_engine
+    from operators.runner import ChainRunner
     from pipeline.ask import DocumentInput, prepare
-    from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
-    from pipeline.runner import ChainRunner
 
     spec = EngineSpec(**engine_spec(settings))
     method = method_config(settings)
@@ -191,7 +191,7 @@ def engine_spec(settings: BenchSettings) -> dict[str, Any]:
 
 
 def method_config(settings: BenchSettings) -> Any:
-    from pipeline.config import MethodConfig
+    from operators.config import MethodConfig
 
     return MethodConfig(
         chunk_size=settings.chunk_size,

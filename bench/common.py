@@ -15,13 +15,13 @@ from typing import Any, Self
 
 import psutil
 
-from pipeline.config import MethodConfig
-from pipeline.core.chain import MemoryChain
-from pipeline.engines import models
-from pipeline.engines.base import GenerationRequest
-from pipeline.engines.hardware import DTYPES, detect, resolve_dtype
-from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
-from pipeline.runner import ChainResult, ChainRunner
+from connectors.engines import models
+from connectors.engines.hardware import DTYPES, detect, resolve_dtype
+from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+from operators.config import MethodConfig
+from operators.core.chain import MemoryChain
+from operators.engine import GenerationRequest
+from operators.runner import ChainResult, ChainRunner
 
 REPO = Path(__file__).resolve().parents[1]
 CORPORA = REPO.parent / "shared" / "corpora"

@@ -64,16 +64,16 @@ import pyarrow.parquet as pq
 from engine_efficiency import BusyMeter
 from platformdirs import user_cache_dir
 
+from connectors.engines.hardware import detect
+from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+from operators.config import MethodConfig
+from operators.core.chain import MemoryChain
+from operators.engine import GenerationRequest, SamplingConfig
+from operators.runner import ChainRunner
 from pipeline.ask import prepare
 from pipeline.cli.ask import read_documents
 from pipeline.cli.env import collect
-from pipeline.config import MethodConfig
-from pipeline.core.chain import MemoryChain
-from pipeline.engines.base import GenerationRequest, SamplingConfig
-from pipeline.engines.hardware import detect
-from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec, RunSummary, run_job
-from pipeline.runner import ChainRunner
 
 SEED = 20240611  # the corpus: document lengths and questions
 TEMPLATE = "segment-first"

@@ -15,13 +15,13 @@ from typing import Any
 
 import common
 
+from connectors.engines.factory import EngineSpec, load_tokenizer, open_engine
+from operators.config import MethodConfig
+from operators.core.extraction import string_match_any
+from operators.runner import ChainRunner
 from pipeline import democorpus
 from pipeline.ask import DocumentInput, answer, prepare
 from pipeline.cli.env import collect
-from pipeline.config import MethodConfig
-from pipeline.core.extraction import string_match_any
-from pipeline.engines.factory import EngineSpec, load_tokenizer, open_engine
-from pipeline.runner import ChainRunner
 
 
 async def main(model: str, scale: float, templates: list[str], chunk_size: int) -> None:

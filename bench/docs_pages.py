@@ -259,9 +259,9 @@ def files_page() -> str:
 
 
 def job_keys() -> list[str]:
+    from connectors.engines.factory import EngineSpec
+    from operators.config import DocumentLimits, MethodConfig
     from pipeline.cli.run import FLAGS
-    from pipeline.config import DocumentLimits, MethodConfig
-    from pipeline.engines.factory import EngineSpec
     from pipeline.job import ConcurrencySpec, JobSpec, OutputSpec
 
     sections = {
@@ -276,8 +276,8 @@ def job_keys() -> list[str]:
 
 
 def serve_keys() -> list[str]:
-    from pipeline.config import MethodConfig
-    from pipeline.engines.factory import EngineSpec
+    from connectors.engines.factory import EngineSpec
+    from operators.config import MethodConfig
     from serving.cli import FLAGS
     from serving.config import ServerConfig
 
@@ -357,8 +357,11 @@ def layers_page() -> str:
             lines += ["From the top (may import everything below it) to the bottom:", ""]
             lines += ["| layer | packages |", "|---:|---|"]
             layers = contract["layers"]
+            containers = contract.get("containers", [])
+            prefix = f"{containers[0]}." if len(containers) == 1 else ""
             for number, layer in enumerate(layers):
-                names = ", ".join(f"`{part.strip()}`" for part in re.split(r"[|:]", layer))
+                parts = re.split(r"[|:]", layer)
+                names = ", ".join(f"`{prefix}{part.strip()}`" for part in parts)
                 lines.append(f"| {len(layers) - number} | {names} |")
             lines.append("")
         for key in ("source_modules", "forbidden_modules", "ignore_imports"):

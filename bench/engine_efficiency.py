@@ -27,11 +27,11 @@ from common import (
     write_results,
 )
 
+from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig, chat_prompt_ids
+from operators.config import MethodConfig
+from operators.engine import Completion, GenerationRequest
+from operators.runner import ChainRunner
 from pipeline.ask import DocumentInput, PreparedDocument, prepare
-from pipeline.config import MethodConfig
-from pipeline.engines.base import Completion, GenerationRequest
-from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig, chat_prompt_ids
-from pipeline.runner import ChainRunner
 
 FULL_LENGTHS = "4000,8000,16000,32000,64000,200000"  # mixed lengths, as a real archive has
 

@@ -33,9 +33,9 @@ from typing import Any
 import common
 import pipeline_overhead  # marks this run's Ray processes
 
-from pipeline.config import MethodConfig
-from pipeline.engines.hardware import detect, resolve_dtype
-from pipeline.engines.vllm_local import VLLMEngineConfig
+from connectors.engines.hardware import detect, resolve_dtype
+from connectors.engines.vllm_local import VLLMEngineConfig
+from operators.config import MethodConfig
 from pipeline.job import JobSpec, run_job
 
 TARGET = 0.6  # run 2's wall time over run 1's, at most

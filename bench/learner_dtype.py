@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common
 import torch
 
+from connectors.engines import models
+from connectors.engines.factory import open_engine
 from pipeline.cli.env import collect
-from pipeline.engines import models
-from pipeline.engines.factory import open_engine
 from pipeline.training.config import LearnerDtype, TrainConfig
 from pipeline.training.learner import Conversation, Learner
 from pipeline.training.rollout import (

@@ -17,8 +17,8 @@ from typing import Any
 
 import common
 
+from operators.runner import ChainRunner
 from pipeline.ask import DocumentInput, prepare
-from pipeline.runner import ChainRunner
 
 TEMPLATES = ("memagent-reference", "segment-first")
 TOPICS = (

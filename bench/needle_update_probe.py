@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
-from pipeline.core.templates import get_template_set
-from pipeline.engines.base import GenerationRequest
-from pipeline.engines.factory import DEFAULT_MODEL, EngineSpec, load_tokenizer, open_engine
+from connectors.engines.factory import DEFAULT_MODEL, EngineSpec, load_tokenizer, open_engine
+from operators.core.segmentation import SegmentationConfig, segment, tokenize
+from operators.core.templates import get_template_set
+from operators.engine import GenerationRequest
 from pipeline.evaluation import corpora
 from pipeline.evaluation.haystack import HaystackCorpus
 from pipeline.evaluation.niah import NiahBuilder

@@ -1,6 +1,6 @@
 """A small OpenAI-compatible server for developing against the `openai` engine kind without a
 model: GET /v1/models lists one model, POST /v1/chat/completions answers with the fake engine's
-deterministic reply (pipeline/engines/fake.py: an update keeps the lines that hold a fact, a final
+deterministic reply (connectors/engines/fake.py: an update keeps the lines that hold a fact, a final
 prompt names them) after `--delay-ms`, as a model's decode time.
 
     .venv/bin/python bench/openai_stub.py --port 8010 --model smollm2-135m-instruct
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from pipeline.engines.fake import reply_to
+from connectors.engines.fake import reply_to
 
 
 def handler_for(model: str, delay_s: float) -> type[BaseHTTPRequestHandler]:

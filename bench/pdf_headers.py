@@ -19,8 +19,8 @@ from typing import Any
 from pdf_parsers import CORPORA, RESULTS, cpu
 
 import operators.parsing.pdf_text as pdf_text
+from connectors.engines.factory import DEFAULT_MODEL, EngineSpec, load_tokenizer
 from operators.parsing import parse_document
-from pipeline.engines.factory import DEFAULT_MODEL, EngineSpec, load_tokenizer
 
 FILINGS = CORPORA / "qa" / "sec10q-dev" / "docs"
 

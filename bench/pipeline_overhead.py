@@ -33,13 +33,13 @@ from typing import Any
 import common
 import psutil
 
+from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from connectors.local import expand_paths
+from operators.config import MethodConfig
+from operators.runner import ChainRunner
 from pipeline.ask import prepare
 from pipeline.cli.ask import read_documents
-from pipeline.config import MethodConfig
-from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from pipeline.job import JobSpec, run_job
-from pipeline.runner import ChainRunner
 
 PDFS = common.CORPORA / "pdfs"
 REAL_SOURCES = [

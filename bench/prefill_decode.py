@@ -18,10 +18,10 @@ from typing import Any
 
 from common import real_text, table, write_results
 
+from connectors.engines.factory import EngineSpec, open_engine
+from connectors.engines.vllm_local import RESERVED_CPUS_ENV
+from operators.engine import GenerationRequest
 from pipeline.cli.env import collect
-from pipeline.engines.base import GenerationRequest
-from pipeline.engines.factory import EngineSpec, open_engine
-from pipeline.engines.vllm_local import RESERVED_CPUS_ENV
 
 
 async def measure(spec: EngineSpec) -> dict[str, Any]:

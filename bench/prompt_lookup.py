@@ -27,11 +27,11 @@ import common
 import corpus_efficiency as corpus
 import step_budget
 
+from connectors.engines.vllm_local import VLLMEngineConfig
+from operators.config import MethodConfig
+from operators.core.chain import MemoryChain
+from operators.runner import ChainRunner
 from pipeline.cli.env import collect
-from pipeline.config import MethodConfig
-from pipeline.core.chain import MemoryChain
-from pipeline.engines.vllm_local import VLLMEngineConfig
-from pipeline.runner import ChainRunner
 
 STEP_BUDGET = 2048  # vLLM's default, the engine's
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import common
 
+from connectors.engines.vllm_local import VLLMEngineConfig
+from operators.config import MethodConfig
+from operators.runner import ChainRunner
 from pipeline.ask import DocumentInput, prepare
-from pipeline.config import MethodConfig
-from pipeline.engines.vllm_local import VLLMEngineConfig
-from pipeline.runner import ChainRunner
 
 QUESTION = "What is this document about?"
 GIB = 1024**3

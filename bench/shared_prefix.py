@@ -19,9 +19,9 @@ from typing import Any
 
 from common import real_text, table, write_results
 
+from connectors.engines.factory import EngineSpec, open_engine
+from connectors.engines.vllm_local import VLLMEngine, chat_prompt_ids
 from pipeline.cli.env import collect
-from pipeline.engines.factory import EngineSpec, open_engine
-from pipeline.engines.vllm_local import VLLMEngine, chat_prompt_ids
 
 PREFIX_TOKENS = 4000
 

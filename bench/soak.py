@@ -46,8 +46,8 @@ from typing import Any
 import psutil
 import yaml
 
+from connectors.engines.hardware import detect
 from connectors.processes import ServerProcess, free_port, http_ok, start_memstream_serve
-from pipeline.engines.hardware import detect
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

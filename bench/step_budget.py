@@ -22,10 +22,10 @@ from typing import Any
 import common
 import corpus_efficiency as corpus
 
+from connectors.engines.vllm_local import VLLMEngineConfig
+from operators.config import MethodConfig
+from operators.core.chain import MemoryChain
 from pipeline.cli.env import collect
-from pipeline.config import MethodConfig
-from pipeline.core.chain import MemoryChain
-from pipeline.engines.vllm_local import VLLMEngineConfig
 
 DEFAULT_MAX_TOKENS = 50_000  # results of other sizes go to step_budget-<max tokens>.md/json
 

@@ -53,14 +53,14 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 import common  # noqa: E402
 
 from connectors import S3Source, SqlSource  # noqa: E402
+from connectors.engines.factory import EngineSpec  # noqa: E402
+from connectors.engines.fake import word_tokenizer  # noqa: E402
 from connectors.state.store import StateStore  # noqa: E402
-from operators.read import ReadParseStage  # noqa: E402
-from operators.run import Question, RunContext  # noqa: E402
-from operators.segment import SegmentStage  # noqa: E402
-from pipeline.config import MethodConfig  # noqa: E402
-from pipeline.engines.factory import EngineSpec  # noqa: E402
-from pipeline.engines.fake import word_tokenizer  # noqa: E402
+from operators.config import MethodConfig  # noqa: E402
 from pipeline.job import read_sources  # noqa: E402
+from pipeline.stages.read import ReadParseStage  # noqa: E402
+from pipeline.stages.run import Question, RunContext  # noqa: E402
+from pipeline.stages.segment import SegmentStage  # noqa: E402
 
 NOTES = [
     "How to read it:",
@@ -78,7 +78,7 @@ NOTES = [
     "driver when the dataset is made (its rise, over a heap the previous run had already "
     "grown, so a lower bound), then streams flat; it would also read sidecar question files "
     "as documents and give no ETags, so the job uses its own datasource.",
-    "- `before` and `after` pairs through segment use pipeline/engines/fake.py's WordTokenizer "
+    "- `before` and `after` pairs through segment use connectors/engines/fake.py's WordTokenizer "
     "(`--tokenizer word`) so that they finish on a shared two-core machine: the driver's "
     "memory does not depend on the tokenizer, which runs in the tasks.",
     "- Ray keeps task results under 100 KiB in the driver's memory store (Ray's "
@@ -215,7 +215,7 @@ def run_context(store_url: str, run_id: str) -> RunContext:
 
 
 class WordSegmentStage(SegmentStage):
-    """The segment stage with pipeline/engines/fake.py's WordTokenizer (one token a word) in place
+    """The segment stage with connectors/engines/fake.py's WordTokenizer (one token a word) in place
     of the model's: the same segmentation, plans and state store writes, without the cost of
     tokenizing a gigabyte on a shared two-core machine (--tokenizer word)."""
 
@@ -386,7 +386,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "commit and the arguments it ran with (`python bench/streaming_reads.py ...`).",
         "",
         "The job's stages without the memory stage (no model): read -> parse -> segment + plan "
-        "(the tokenizer of the column: `model`, the model's; `word`, pipeline/engines/fake.py's; "
+        "(the tokenizer of the column: `model`, the model's; `word`, connectors/engines/fake.py's; "
         "a real SQLite state store), or read -> parse only where the run says so, the driver "
         "taking one row of counts per document. RSS is the driver process alone (psutil, every "
         "0.5 s); the rise is over its RSS when the run starts (Ray already up, the corpora "

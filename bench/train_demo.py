@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common
 
-from pipeline.engines import models
-from pipeline.engines.hardware import detect
+from connectors.engines import models
+from connectors.engines.hardware import detect
 from pipeline.training.config import TrainConfig
 from pipeline.training.trainer import (
     CHECKPOINT_DIR,

@@ -1,4 +1,5 @@
-"""Streaming document sources (local files, S3, SQL, Parquet/JSONL) and output locations.
+"""Everything outside the process: streaming document sources (local files, S3, SQL,
+Parquet/JSONL) and output locations here; the state store in `state`; model engines in `engines`.
 
 A job reads its sources as one Ray Data read (connectors.reading: shards planned on the driver,
 items listed and fetched in read tasks). S3Source needs boto3 (extra "s3") for its listing and

@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from pipeline.core.document import Document
+from operators.core.document import Document
 
 # A file `report.pdf` may carry its questions beside it, in `report.pdf.questions.txt` (one
 # question a line) or `report.pdf.questions.json` (a list of strings, or {"questions": [...]}).

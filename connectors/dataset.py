@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 
 from connectors.base import SourceError, coerce_questions, plain_value
 from connectors.local import expand_paths
-from pipeline.core.document import Document
+from operators.core.document import Document
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 

@@ -16,7 +16,7 @@ from connectors.base import (
     is_sidecar,
     parse_sidecar,
 )
-from pipeline.core.document import Document
+from operators.core.document import Document
 
 GLOB_CHARS = ("*", "?", "[")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from pipeline.engines.reaper import start_watchdog
+from connectors.engines.reaper import start_watchdog
 
 REPO = Path(__file__).resolve().parents[1]
 

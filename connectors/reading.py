@@ -31,7 +31,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from connectors.base import Source, SourceError, SourceUnavailable
-from pipeline.core.document import DOCUMENT_SCHEMA, Document
+from operators.core.document import DOCUMENT_SCHEMA, Document
 
 logger = logging.getLogger(__name__)
 

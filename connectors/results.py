@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from connectors.state.export import trajectory_row
 from connectors.state.store import StateStore
-from pipeline.config import MethodConfig
+from operators.config import MethodConfig
 
 ROWS_PER_BATCH = 1000
 TIMESTAMP = pa.timestamp("ms", tz="UTC")
@@ -56,7 +56,7 @@ ANSWERS_SCHEMA = pa.schema(
         ("raw_response", pa.string()),
         ("final_memory", pa.string()),
         # True when the answer is found in the source with the question's terms or the memory's
-        # supporting fact beside it (pipeline.core.evidence); NULL for a chain with no answer row
+        # supporting fact beside it (operators.core.evidence); NULL for a chain with no answer row
         ("grounded", pa.bool_()),
         ("grounding_reason", pa.string()),
         ("evidence", pa.list_(EVIDENCE_TYPE)),

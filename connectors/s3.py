@@ -26,7 +26,7 @@ from connectors.output import (
     missing_aws_credentials,
     s3_filesystem,
 )
-from pipeline.core.document import Document
+from operators.core.document import Document
 
 # pyarrow's names (in its OSError messages) of the AWS errors that mean the credentials are
 # wrong or lack the right; DENIED_CODES are boto3's.

@@ -18,7 +18,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
 from connectors.base import SourceError, coerce_questions, plain_value
-from pipeline.core.document import Document
+from operators.core.document import Document
 
 # The project installs psycopg 3, while SQLAlchemy's plain "postgresql://" means psycopg2.
 DEFAULT_DRIVERS = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg"}

@@ -10,18 +10,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import MethodConfig
-from pipeline.core.chain import MemoryChain
-from pipeline.core.collection import Member, order_members, segment_collection
-from pipeline.core.evidence import Grounding, find_evidence
-from pipeline.core.segmentation import (
+from operators.config import MethodConfig
+from operators.core.chain import MemoryChain
+from operators.core.collection import Member, order_members, segment_collection
+from operators.core.evidence import Grounding, find_evidence
+from operators.core.segmentation import (
     DocumentRef,
     Segment,
     TokenizedDocument,
     segment,
     tokenize,
 )
-from pipeline.runner import ChainResult, ChainRunner, StepCallback
+from operators.runner import ChainResult, ChainRunner, StepCallback
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def prepare_collection(
     order_by: str = "listed",
 ) -> PreparedDocument:
     """One chain per question over a collection's documents in order (`order_by`), each
-    document cut on its own and headed by its label (`pipeline.core.collection`)."""
+    document cut on its own and headed by its label (`operators.core.collection`)."""
     ordered = order_members(members, order_by)
     read = segment_collection(ordered, tokenizer, method.segmentation())
     chain_config = method.chain()

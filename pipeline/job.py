@@ -41,6 +41,13 @@ from pydantic import Field
 
 from connectors import OutputError, Source, SourceError, check_output, open_output, open_source
 from connectors.base import coerce_questions
+from connectors.engines.factory import (
+    COMPILE_PAYS_OFF_TOKENS,
+    EngineSpec,
+    load_tokenizer,
+    open_checked_engine,
+)
+from connectors.engines.hardware import detect, with_gpu_workers
 from connectors.output import S3_MAX_ATTEMPTS
 from connectors.reading import SourceDatasource, estimated_bytes
 from connectors.results import ResultWriter, RunIdentity
@@ -49,11 +56,7 @@ from connectors.state.database import StateStoreError
 from connectors.state.records import DocumentChanges, RunProgress
 from connectors.state.schema import DONE, DONE_WITH_ERRORS, FAILED
 from connectors.state.store import StateStore
-from operators.memory import ENGINE_ACTOR_ENV, MemoryStage
-from operators.read import ReadParseStage
-from operators.run import Question, RunContext
-from operators.segment import SegmentStage
-from pipeline.config import (
+from operators.config import (
     STRICT_KEYS,
     ConfigError,
     DocumentLimits,
@@ -62,16 +65,13 @@ from pipeline.config import (
     parse_config,
     with_default_template,
 )
-from pipeline.core.chain import CHARS_PER_TOKEN
-from pipeline.core.settings import Flag
-from pipeline.engines.base import EngineError
-from pipeline.engines.factory import (
-    COMPILE_PAYS_OFF_TOKENS,
-    EngineSpec,
-    load_tokenizer,
-    open_checked_engine,
-)
-from pipeline.engines.hardware import detect, with_gpu_workers
+from operators.core.chain import CHARS_PER_TOKEN
+from operators.core.settings import Flag
+from operators.engine import EngineError
+from pipeline.stages.memory import ENGINE_ACTOR_ENV, MemoryStage
+from pipeline.stages.read import ReadParseStage
+from pipeline.stages.run import Question, RunContext
+from pipeline.stages.segment import SegmentStage
 
 logger = logging.getLogger(__name__)
 ProgressCallback = Callable[[RunProgress], None]

@@ -24,7 +24,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from pipeline.core.evidence import says_not_in_document
+from operators.core.evidence import says_not_in_document
 
 Row = dict[str, Any]
 

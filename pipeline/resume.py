@@ -18,15 +18,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from connectors.engines.factory import EngineSpec
 from connectors.state.database import StateStoreError
 from connectors.state.records import Checkpoint, StepCheckpoint
 from connectors.state.schema import DONE
-from pipeline.config import MethodConfig
-from pipeline.core.chain import ChainConfig, MemoryChain, StepRecord
-from pipeline.core.evidence import Grounding, find_evidence
-from pipeline.core.segmentation import Segment
-from pipeline.engines.factory import EngineSpec
-from pipeline.runner import ChainResult, ChainRunner
+from operators.config import MethodConfig
+from operators.core.chain import ChainConfig, MemoryChain, StepRecord
+from operators.core.evidence import Grounding, find_evidence
+from operators.core.segmentation import Segment
+from operators.runner import ChainResult, ChainRunner
 
 logger = logging.getLogger(__name__)
 

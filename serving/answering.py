@@ -13,10 +13,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from operators.config import ConfigError, DocumentLimits, MethodConfig, check_context_fit
+from operators.engine import Engine
+from operators.runner import ChainResult, ChainRunner, StepCallback
 from pipeline.ask import DocumentInput, PreparedDocument, prepare
-from pipeline.config import ConfigError, DocumentLimits, MethodConfig, check_context_fit
-from pipeline.engines.base import Engine
-from pipeline.runner import ChainResult, ChainRunner, StepCallback
 from serving.documents import InputError, LoadedDocument
 from serving.schemas import Answer, AnswerResponse, DocumentInfo, usage_of
 

@@ -28,7 +28,7 @@ from connectors.state.jobs import JobConflict
 from connectors.state.records import JobState, NewJob
 from connectors.state.schema import SUCCEEDED
 from connectors.state.store import StateStore
-from pipeline.engines.base import Engine, EngineError
+from operators.engine import Engine, EngineError
 from pipeline.report import content_security_policy
 from serving.answering import SyncAnswerer
 from serving.config import LimitsConfig

@@ -20,9 +20,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from connectors.engines.factory import ENGINE_ACTOR_ENV_VARS, EngineSpec, load_tokenizer
 from connectors.state.store import StateStore
-from pipeline.config import MethodConfig
-from pipeline.engines.factory import ENGINE_ACTOR_ENV_VARS, EngineSpec, load_tokenizer
+from operators.config import MethodConfig
 from serving.answering import DocumentPreparer, SyncAnswerer
 from serving.api import ApiServices, build_api
 from serving.config import JobsConfig, LimitsConfig, ServingConfig, UriConfig
@@ -129,7 +129,7 @@ def app_builder(args: dict[str, str]) -> Any:
     keys come from the config's `auth.api_keys_env` (a Kubernetes secret in infra/k8s)."""
     from pathlib import Path
 
-    from pipeline.engines import models
+    from connectors.engines import models
     from serving.config import load_config
     from serving.security import api_keys_of
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import psutil
 
+from connectors.engines.reaper import end_processes, start_descendants_watchdog
+from operators.config import ConfigError
 from pipeline.cli import terminal
 from pipeline.cli.flags import (
     ENGINE_FLAGS,
@@ -32,8 +34,6 @@ from pipeline.cli.flags import (
     setting_flags,
     setting_overrides,
 )
-from pipeline.config import ConfigError
-from pipeline.engines.reaper import end_processes, start_descendants_watchdog
 from serving.config import ServerConfig, ServingConfig, load_config
 from serving.security import ApiKeys, api_keys_of
 
@@ -72,9 +72,9 @@ def register(subparsers: Any) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import yaml
 
+    from connectors.engines import models
     from connectors.state.database import StateStoreError
     from connectors.state.store import StateStore
-    from pipeline.engines import models
 
     config = load_config(args.config, setting_overrides(args, FLAGS))
     config = replace(config, engine=config.engine.resolved())
@@ -233,8 +233,8 @@ def first_line(error: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from pipeline.engines.base import EngineError
-    from pipeline.engines.models import ModelError, keep_hub_offline_unless_named
+    from connectors.engines.models import ModelError, keep_hub_offline_unless_named
+    from operators.engine import EngineError
 
     keep_hub_offline_unless_named(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

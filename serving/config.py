@@ -2,7 +2,7 @@
 
 Every field has an embedded default (a private local Ray instance, the default packaged model on
 the CPU, a SQLite store in the user's state folder), so `memstream serve` runs without a file.
-A YAML file overrides any subset; it is read as every configuration is (`pipeline.config.
+A YAML file overrides any subset; it is read as every configuration is (`operators.config.
 parse_config`): unknown keys and wrong values are refused with the dotted path of the key.
 """
 
@@ -19,7 +19,8 @@ from typing import Annotated, Any
 import yaml
 from pydantic import Field
 
-from pipeline.config import (
+from connectors.engines.factory import EngineSpec
+from operators.config import (
     STRICT_KEYS,
     ConfigError,
     DocumentLimits,
@@ -27,7 +28,6 @@ from pipeline.config import (
     parse_config,
     with_default_template,
 )
-from pipeline.engines.factory import EngineSpec
 
 MIB = 1 << 20
 MIN_API_KEY_CHARS = 16

@@ -19,9 +19,9 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from operators.config import DocumentLimits
+from operators.core.injection import instruction_warning
 from operators.parsing import ParsedText, ParseError, parse_document
-from pipeline.config import DocumentLimits
-from pipeline.core.injection import instruction_warning
 from serving.config import LimitsConfig
 from serving.schemas import AnswerRequest
 from serving.uris import DocumentFetcher, FetchError, UriPolicy, UriRefused, redact_uri

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pipeline.engines.base import Completion, EngineError, EngineUnhealthy, GenerationRequest
-from pipeline.engines.factory import EngineFactory, EngineSpec, open_checked_engine, open_engine
+from connectors.engines.factory import EngineFactory, EngineSpec, open_checked_engine, open_engine
+from operators.engine import Completion, EngineError, EngineUnhealthy, GenerationRequest
 
 
 class EngineUnavailable(EngineError):

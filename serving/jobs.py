@@ -22,11 +22,11 @@ from connectors.state.database import StateStoreError
 from connectors.state.records import ChainState, Checkpoint, JobInput, StepCheckpoint
 from connectors.state.schema import FAILED, SUCCEEDED
 from connectors.state.store import StateStore
-from pipeline.config import MethodConfig, TemplateChanged
-from pipeline.core.evidence import Grounding
-from pipeline.engines.base import Completion, Engine, GenerationRequest
+from operators.config import MethodConfig, TemplateChanged
+from operators.core.evidence import Grounding
+from operators.engine import Completion, Engine, GenerationRequest
+from operators.runner import ChainRunner
 from pipeline.resume import ChainWork, resume_chain
-from pipeline.runner import ChainRunner
 from serving.answering import DocumentPreparer, document_info
 from serving.config import JobsConfig
 from serving.documents import DocumentLoader, DocumentRequest, InputError

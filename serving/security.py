@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pipeline.config import ConfigError
+from operators.config import ConfigError
 
 if TYPE_CHECKING:
     from serving.config import ServingConfig

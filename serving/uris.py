@@ -250,7 +250,7 @@ class DocumentFetcher:
 
         from connectors.base import SourceError
         from connectors.s3 import S3Source
-        from pipeline.core.document import Document
+        from operators.core.document import Document
 
         object_uri = f"s3://{allowed.host}{allowed.path}"
         source = S3Source(object_uri, endpoint_url=self.config.s3_endpoint_url, max_attempts=3)

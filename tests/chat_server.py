@@ -1,5 +1,5 @@
 """A real OpenAI-compatible HTTP server on 127.0.0.1 that answers as the fake engine does
-(pipeline/engines/fake.py `reply_to`) and misbehaves on command: the routes the OpenAI adapter
+(connectors/engines/fake.py `reply_to`) and misbehaves on command: the routes the OpenAI adapter
 uses (GET /v1/models, POST /v1/chat/completions), served by the standard library in a thread
 of the test process, so Ray workers reach it over real HTTP.
 
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from connectors.engines.fake import reply_to
 from connectors.processes import free_port
-from pipeline.engines.fake import reply_to
 from pipeline.job import JobSpec
 from tests.conftest import TEST_MODEL
 

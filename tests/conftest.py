@@ -46,7 +46,7 @@ def corpora() -> Path:
 
 @pytest.fixture(scope="session")
 def test_model_path() -> str:
-    from pipeline.engines import models
+    from connectors.engines import models
 
     return models.resolve(TEST_MODEL)
 
@@ -68,8 +68,8 @@ def event_loop_runner():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def vllm_engine(test_model_path: str, event_loop_runner):  # type: ignore[no-untyped-def]
-    from pipeline.engines.hardware import resolve_dtype
-    from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+    from connectors.engines.hardware import resolve_dtype
+    from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 
     config = VLLMEngineConfig(
         model=test_model_path,

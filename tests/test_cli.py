@@ -137,8 +137,8 @@ def test_a_check_across_train_settings_prints_its_own_message(tmp_path: Path) ->
 def test_a_hub_id_that_cannot_load_says_whether_the_environment_keeps_the_hub_offline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from connectors.engines import models
     from pipeline.cli import main
-    from pipeline.engines import models
 
     document = tmp_path / "a.txt"
     document.write_text("Some text.")
@@ -195,8 +195,8 @@ def test_arguments_are_checked_before_a_model_loads(
 def test_every_flag_of_the_commands_a_user_meets_has_help_and_shows_its_default() -> None:
     import argparse
 
+    from connectors.engines.factory import DEFAULT_MODEL
     from pipeline.cli.main import build_parser
-    from pipeline.engines.factory import DEFAULT_MODEL
 
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -322,7 +322,7 @@ def test_ctrl_c_is_an_interruption_even_when_the_work_it_cut_short_ends_on_its_o
 
 
 def test_env_json_reports_the_machine_and_the_dtype_auto_picks() -> None:
-    from pipeline.engines.hardware import detect, resolve_dtype
+    from connectors.engines.hardware import detect, resolve_dtype
 
     result = memstream("env", "--json")
     assert result.returncode == 0, result.stderr
@@ -342,8 +342,8 @@ def test_env_json_reports_the_machine_and_the_dtype_auto_picks() -> None:
 
 # The settings of each command that takes them: config section -> the record declaring them.
 def commands_and_their_settings() -> dict[str, dict[str | None, type]]:
-    from pipeline.config import DocumentLimits, MethodConfig
-    from pipeline.engines.factory import EngineSpec
+    from connectors.engines.factory import EngineSpec
+    from operators.config import DocumentLimits, MethodConfig
     from pipeline.job import ConcurrencySpec, JobSpec, OutputSpec
     from pipeline.training.config import TrainConfig
     from serving.config import ServerConfig
@@ -436,9 +436,9 @@ def test_every_setting_has_a_flag_on_each_command_that_takes_it() -> None:
 def test_train_and_eval_take_the_method_and_engine_settings_as_declared() -> None:
     """A command may give a setting another default (the trainer's short chunks) but takes its
     declaration: the same description, so the same meaning."""
+    from connectors.engines.factory import EngineSpec
+    from operators.config import MethodConfig
     from pipeline.cli.flags import settings_fields
-    from pipeline.config import MethodConfig
-    from pipeline.engines.factory import EngineSpec
     from pipeline.evaluation.execution import EvalSettings
     from pipeline.training.config import TrainConfig
 

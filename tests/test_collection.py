@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ask import DocumentInput, PreparedDocument, answer, prepare, prepare_collection
-from pipeline.config import MethodConfig
-from pipeline.core.chain import MemoryChain, StepKind
-from pipeline.core.collection import (
+from connectors.engines.fake import FactEngine, WordTokenizer
+from operators.config import MethodConfig
+from operators.core.chain import MemoryChain, StepKind
+from operators.core.collection import (
     Member,
     collection_sha256,
     combined_text,
@@ -22,13 +22,13 @@ from pipeline.core.collection import (
     segment_collection,
     strip_labels,
 )
-from pipeline.core.evidence import find_evidence
-from pipeline.core.retrieval import render_passages, split_passages
-from pipeline.core.segmentation import SegmentationConfig
-from pipeline.core.templates import get_template_set
-from pipeline.engines.base import GenerationRequest
-from pipeline.engines.fake import FactEngine, WordTokenizer
-from pipeline.runner import ChainRunner
+from operators.core.evidence import find_evidence
+from operators.core.retrieval import render_passages, split_passages
+from operators.core.segmentation import SegmentationConfig
+from operators.core.templates import get_template_set
+from operators.engine import GenerationRequest
+from operators.runner import ChainRunner
+from pipeline.ask import DocumentInput, PreparedDocument, answer, prepare, prepare_collection
 
 QUESTION = "Which facts are there?"
 ALPHA = (
@@ -243,8 +243,8 @@ def test_ask_parses_across_and_order_by() -> None:
 def test_ask_across_answers_once_for_the_collection_with_evidence_naming_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from connectors.engines.factory import EngineSpec
     from pipeline.cli import ask as ask_command
-    from pipeline.engines.factory import EngineSpec
 
     alpha, beta = tmp_path / "alpha.txt", tmp_path / "beta.txt"
     alpha.write_text(ALPHA)

@@ -33,7 +33,7 @@ from connectors import (
 from connectors.processes import free_port
 from connectors.reading import SourceDatasource, blocks_of, read_shard
 from connectors.seaweedfs import S3Server
-from pipeline.core.document import DOCUMENT_SCHEMA
+from operators.core.document import DOCUMENT_SCHEMA
 from tests.services import require_credential_checks
 
 # conftest.py registers the same plugin; naming it here too lets this file run on its own.

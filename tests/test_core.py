@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.chain import ChainConfig, MemoryChain, StepKind
-from pipeline.core.extraction import (
+from connectors.engines.vllm_local import chat_prompt_ids
+from operators.core.chain import ChainConfig, MemoryChain, StepKind
+from operators.core.extraction import (
     exact_match,
     extract_answer,
     f1_score,
@@ -18,9 +19,9 @@ from pipeline.core.extraction import (
     strip_thinking,
     sub_exact_match,
 )
-from pipeline.core.quotes import check_quotes
-from pipeline.core.segmentation import Segment, SegmentationConfig, segment, tokenize
-from pipeline.core.templates import (
+from operators.core.quotes import check_quotes
+from operators.core.segmentation import Segment, SegmentationConfig, segment, tokenize
+from operators.core.templates import (
     APPEND_EVIDENCE,
     REFERENCE,
     SEGMENT_FIRST,
@@ -29,7 +30,6 @@ from pipeline.core.templates import (
     defang,
     get_template_set,
 )
-from pipeline.engines.vllm_local import chat_prompt_ids
 
 SPEC = Path(__file__).resolve().parents[1].parent / "shared" / "specs" / "memagent-method.md"
 

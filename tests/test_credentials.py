@@ -38,10 +38,10 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
+from connectors.engines.fake import FACT
 from connectors.processes import free_port
 from connectors.seaweedfs import S3Server
 from pipeline.cli.flags import EXIT_PARTIAL_FAILURE
-from pipeline.engines.fake import FACT
 from pipeline.job import JobError, JobSpec, run_job
 from tests.chat_server import FactChatServer, JsonHandler, fact_job_fields
 from tests.services import PostgresServer, require_credential_checks

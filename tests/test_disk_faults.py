@@ -25,9 +25,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from connectors.engines.fake import FACT
 from connectors.state.schema import FAILED
 from pipeline.cli.flags import EXIT_USAGE
-from pipeline.engines.fake import FACT
 from pipeline.job import JobError, JobSpec, run_job
 from tests.chat_server import FactChatServer, fact_job_fields, write_reports
 from tests.conftest import local_ray

@@ -231,7 +231,7 @@ def test_cli_reference_lists_every_command(site):
 
 
 def test_cli_reference_shows_each_default_in_its_column(site):
-    from pipeline.engines.factory import DEFAULT_MODEL
+    from connectors.engines.factory import DEFAULT_MODEL
 
     reference = site["docs/reference/cli.md"] or ""
     meanings = [row.rsplit("|", 2)[1] for row in reference.splitlines() if row.startswith("| `")]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipeline.core.document import (
+from operators.core.document import (
     DOCUMENT_SCHEMA,
     Document,
     PlannedChain,
     documents_of,
     documents_table,
 )
-from pipeline.core.segmentation import Segment
+from operators.core.segmentation import Segment
 
 LISTED = Document(
     uri="s3://archive/q3/report.pdf",

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from pipeline.engines.base import EngineUnhealthy
-from pipeline.engines.factory import EngineSpec, open_checked_engine
-from pipeline.engines.fake import FactEngine
+from connectors.engines.factory import EngineSpec, open_checked_engine
+from connectors.engines.fake import FactEngine
+from operators.engine import EngineUnhealthy
 
 SPEC = EngineSpec(model="fake-model", dtype="float32")
 

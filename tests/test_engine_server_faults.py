@@ -16,8 +16,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.engines.fake import FACT
-from pipeline.engines.openai_http import call_deadline_s
+from connectors.engines.fake import FACT
+from connectors.engines.openai_http import call_deadline_s
 from pipeline.job import JobError, run_job
 from tests.chat_server import FactChatServer, fact_job, write_reports
 from tests.conftest import local_ray

@@ -18,21 +18,21 @@ from pathlib import Path
 import psutil
 import pytest
 
+from connectors.engines.hardware import default_gpu_memory_utilization, resolve_dtype
+from connectors.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
+from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from connectors.processes import ServerNotReady, ServerProcess, free_port, http_ok
-from pipeline.ask import DocumentInput, answer, prepare
-from pipeline.config import MethodConfig
-from pipeline.engines.base import (
+from operators.config import MethodConfig
+from operators.engine import (
     Completion,
     EngineError,
     EngineUnhealthy,
     GenerationRequest,
     SamplingConfig,
 )
-from pipeline.engines.hardware import default_gpu_memory_utilization, resolve_dtype
-from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
-from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+from operators.runner import ChainRunner
+from pipeline.ask import DocumentInput, answer, prepare
 from pipeline.job import JobSpec
-from pipeline.runner import ChainRunner
 from tests.chat_server import JsonHandler
 from tests.processes import engine_cores
 
@@ -351,7 +351,7 @@ def test_openai_adapter_retries_429_and_5xx_with_backoff() -> None:
 
 OWNER_SCRIPT = """
 import asyncio, sys
-from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 
 async def main():
     config = VLLMEngineConfig(model=sys.argv[1], max_model_len=1024, enforce_eager=True,

@@ -18,6 +18,11 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from connectors.engines.factory import EngineSpec
+from connectors.engines.fake import WordTokenizer
+from operators.core.scoring import score, token_recall
+from operators.core.templates import REFERENCE
+from operators.engine import Completion, GenerationRequest
 from pipeline.cli.evaluate import (
     QUICK,
     ConsoleListener,
@@ -31,8 +36,6 @@ from pipeline.cli.evaluate import (
     resumed_metadata,
     run_metadata,
 )
-from pipeline.core.scoring import score, token_recall
-from pipeline.core.templates import REFERENCE
 from pipeline.corpora.cuad import (
     ContractLabel,
     date_spellings,
@@ -40,9 +43,6 @@ from pipeline.corpora.cuad import (
     load_cuad,
     party_names,
 )
-from pipeline.engines.base import Completion, GenerationRequest
-from pipeline.engines.factory import EngineSpec
-from pipeline.engines.fake import WordTokenizer
 from pipeline.evaluation import corpora as corpus_files
 from pipeline.evaluation.checkpoints import RUN_ID, EvalCheckpoints
 from pipeline.evaluation.cuad import build_cuad_samples

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.core.evidence import (
+from operators.core.evidence import (
     CONTEXT_CHARS,
     Evidence,
     Grounding,
     find_evidence,
     page_of,
 )
-from pipeline.core.segmentation import Segment
+from operators.core.segmentation import Segment
 
 CONTRACT_PAGES = [
     "MASTER SERVICES AGREEMENT\n\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.core.figures import find_figures, parse_gold, states_figure
-from pipeline.core.scoring import score
+from operators.core.figures import find_figures, parse_gold, states_figure
+from operators.core.scoring import score
 from pipeline.corpora.sec10q import load_questions
 
 IPHONE = ("$39,669 million",)

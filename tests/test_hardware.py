@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engines import hardware
-from pipeline.engines.factory import EngineSpec
-from pipeline.engines.hardware import Gpu, Hardware, auto_dtype, resolve_dtype
-from pipeline.engines.vllm_local import VLLMEngineConfig
+from connectors.engines import hardware
+from connectors.engines.factory import EngineSpec
+from connectors.engines.hardware import Gpu, Hardware, auto_dtype, resolve_dtype
+from connectors.engines.vllm_local import VLLMEngineConfig
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
 AVX512_NO_BF16 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512_vnni"}
@@ -122,7 +122,7 @@ def test_a_job_with_gpu_actors_assumes_a_modern_gpu_where_its_driver_has_none() 
 
 
 def test_eager_or_compiled_follows_the_work_planned_unless_named() -> None:
-    from pipeline.engines.factory import COMPILE_PAYS_OFF_TOKENS
+    from connectors.engines.factory import COMPILE_PAYS_OFF_TOKENS
 
     small, large = COMPILE_PAYS_OFF_TOKENS - 1, COMPILE_PAYS_OFF_TOKENS
     assert EngineSpec().resolved(planned_tokens=small).enforce_eager is True
@@ -133,7 +133,7 @@ def test_eager_or_compiled_follows_the_work_planned_unless_named() -> None:
 
 
 def test_prompt_lookup_is_on_for_a_few_chains_in_16_bits_unless_named() -> None:
-    from pipeline.engines.factory import PROMPT_LOOKUP_MAX_CHAINS, PROMPT_LOOKUP_TOKENS
+    from connectors.engines.factory import PROMPT_LOOKUP_MAX_CHAINS, PROMPT_LOOKUP_TOKENS
 
     few, many = PROMPT_LOOKUP_MAX_CHAINS, PROMPT_LOOKUP_MAX_CHAINS + 1
     bf16 = EngineSpec(dtype="bfloat16")

@@ -2,7 +2,7 @@
 becomes an errors row with a specific reason, the job survives, and answers + errors = inputs.
 
 The job path runs the job's own stages (read + parse, segment, memory) on a folder through
-`LocalSource`, with the fake engine and a SQLite store (pipeline/engines/fake.py), as
+`LocalSource`, with the fake engine and a SQLite store (connectors/engines/fake.py), as
 tests/test_resume_rules.py does: no vLLM, no Ray. The Serve path calls the endpoint's loading
 and preparing functions (`DocumentLoader`, `DocumentPreparer`) on the same inputs, then sends
 every input through the HTTP API (`serving.api.build_api`, with the services an API replica
@@ -31,16 +31,16 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from connectors.engines.factory import EngineSpec
+from connectors.engines.fake import FactEngine, WordTokenizer
 from connectors.local import LocalSource
 from connectors.state.store import StateStore
-from operators.memory import MemoryStage
-from operators.read import ReadParseStage
-from operators.run import Question, RunContext
-from operators.segment import SegmentStage
-from pipeline.config import DocumentLimits, MethodConfig
-from pipeline.core.document import documents_table
-from pipeline.engines.factory import EngineSpec
-from pipeline.engines.fake import FactEngine, WordTokenizer
+from operators.config import DocumentLimits, MethodConfig
+from operators.core.document import documents_table
+from pipeline.stages.memory import MemoryStage
+from pipeline.stages.read import ReadParseStage
+from pipeline.stages.run import Question, RunContext
+from pipeline.stages.segment import SegmentStage
 from serving.answering import DocumentPreparer
 from serving.api import build_api
 from serving.config import LimitsConfig, UriConfig
@@ -148,7 +148,7 @@ class StagesRun(NamedTuple):
 def run_stages(folder: Path, tmp_path: Path, engine: FactEngine) -> StagesRun:
     """The job's stages over a folder (LocalSource, read + parse, segment, memory) on the
     fake engine and its word tokenizer and a SQLite store, and the rows the store holds after."""
-    from operators import run as run_module
+    from pipeline.stages import run as run_module
 
     url = f"sqlite:///{tmp_path / 'state.sqlite'}"
     store = StateStore(url)

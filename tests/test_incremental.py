@@ -1,6 +1,6 @@
 """Incremental runs, on real parts: the state store on SQLite and PostgreSQL, and `run_job` with
 real Ray Data, real files and the real Parquet export. The engine is an OpenAI-compatible HTTP
-server in this process that replies as pipeline/engines/fake.py's `FactEngine` does (no model), so
+server in this process that replies as connectors/engines/fake.py's `FactEngine` does (no model), so
 what reached the engine is known: each document's lines hold facts named after it.
 
 The rules: every run has its own run id; a run after a crash resumes the unfinished run; a run
@@ -31,16 +31,16 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
+from connectors.engines.factory import EngineSpec
+from connectors.engines.fake import FACT
 from connectors.state import locks
 from connectors.state.records import DocumentChanges, DocumentRecord, ErrorRecord
 from connectors.state.schema import run_chains, runs
 from connectors.state.store import StateStore
-from operators.run import RunContext
-from pipeline.core.document import PlannedChain
-from pipeline.core.templates import TEMPLATE_SETS, get_template_set
-from pipeline.engines.factory import EngineSpec
-from pipeline.engines.fake import FACT
+from operators.core.document import PlannedChain
+from operators.core.templates import TEMPLATE_SETS, get_template_set
 from pipeline.job import JobSpec, derive_archive_key, run_job
+from pipeline.stages.run import RunContext
 from tests.chat_server import FactChatServer
 from tests.conftest import TEST_MODEL
 from tests.services import schema_of_its_own

@@ -36,17 +36,16 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
+from connectors.engines.factory import EngineSpec
 from connectors.results import ResultWriter, RunIdentity
 from connectors.state.records import DocumentChanges, DocumentRecord, RunProgress, StepCheckpoint
 from connectors.state.store import StateStore
+from operators.core.chain import StepRecord
+from operators.core.document import PlannedChain
 from operators.parsing import parse_document
-from operators.run import Question, RunContext
 from pipeline.cli.flags import method_config
 from pipeline.cli.main import build_parser, main
 from pipeline.cli.run import spec_from_arguments
-from pipeline.core.chain import StepRecord
-from pipeline.core.document import PlannedChain
-from pipeline.engines.factory import EngineSpec
 from pipeline.job import (
     JobError,
     JobSpec,
@@ -56,6 +55,7 @@ from pipeline.job import (
     plan_job,
     run_job,
 )
+from pipeline.stages.run import Question, RunContext
 from serving.config import config_from_mapping, load_config
 from tests.conftest import TEST_MODEL, assert_clean_terminal
 
@@ -72,7 +72,7 @@ ENGINE = {
 }
 METHOD = {"chunk_size": 512, "max_memory_tokens": 24, "max_answer_tokens": 24}
 QUESTION = "What is this document about?"
-# The template a model runs when none is named, written out rather than read from pipeline.config
+# The template a model runs when none is named, written out rather than read from operators.config
 # so that a changed default fails here.
 MEASURED_DEFAULT_TEMPLATES = {
     "qwen2.5-coder-0.5b-instruct": "verified-quotes",
@@ -333,8 +333,8 @@ def test_sources_are_one_ray_read_and_every_input_ends_read_or_in_errors(
     import ray
 
     from connectors import open_source
-    from operators.read import ReadParseStage
     from pipeline.job import read_sources
+    from pipeline.stages.read import ReadParseStage
 
     folder = tmp_path / "docs"
     folder.mkdir()
@@ -494,7 +494,7 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
 
     filesystem, base = pafs.LocalFileSystem(), str(tmp_path / "out")
     writer = ResultWriter(filesystem, base, "run-a")
-    from pipeline.config import MethodConfig
+    from operators.config import MethodConfig
 
     tables = writer.export_tables(
         store, RunIdentity("run-a", 2, "m", "vllm", "float32", MethodConfig())

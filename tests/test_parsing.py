@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from operators.core.evidence import page_of
 from operators.parsing import ParsedText, ParseError, parse_document
 from operators.parsing.base import DOCX_MIME
-from pipeline.core.evidence import page_of
 
 CORPORA = Path(__file__).resolve().parents[1].parent / "shared" / "corpora"
 needs_corpora = pytest.mark.usefixtures("corpora")  # which fails when they are missing

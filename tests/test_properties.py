@@ -40,11 +40,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from connectors.engines.fake import EngineCrash, FactEngine, WordTokenizer
 from connectors.state.records import DocumentRecord
 from connectors.state.store import StateStore
-from pipeline.core.chain import ChainConfig
-from pipeline.core.document import PlannedChain
-from pipeline.core.extraction import (
+from operators.core.chain import ChainConfig
+from operators.core.document import PlannedChain
+from operators.core.extraction import (
     THINK_END,
     exact_match,
     extract_answer,
@@ -53,13 +54,12 @@ from pipeline.core.extraction import (
     strip_thinking,
     sub_exact_match,
 )
-from pipeline.core.scoring import score
-from pipeline.core.segmentation import Segment, SegmentationConfig, segment, tokenize
-from pipeline.core.templates import REPLY_CUES, STRUCTURE_TAGS, TEMPLATE_SETS, defang
-from pipeline.engines.base import EngineError
-from pipeline.engines.fake import EngineCrash, FactEngine, WordTokenizer
+from operators.core.scoring import score
+from operators.core.segmentation import Segment, SegmentationConfig, segment, tokenize
+from operators.core.templates import REPLY_CUES, STRUCTURE_TAGS, TEMPLATE_SETS, defang
+from operators.engine import EngineError
+from operators.runner import ChainRunner
 from pipeline.resume import ChainOutcome, ChainWork, resume_chain
-from pipeline.runner import ChainRunner
 from tests.test_core import CharTokenizer
 
 PACKAGED_TOKENIZERS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
@@ -108,7 +108,7 @@ document_text = st.lists(
 def packaged_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
 
-    from pipeline.engines import models
+    from connectors.engines import models
 
     return AutoTokenizer.from_pretrained(models.resolve(name))
 

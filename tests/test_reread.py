@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import ConfigError, MethodConfig, check_context_fit
-from pipeline.core.chain import ChainConfig, MemoryChain, StepKind, StepRecord
-from pipeline.core.retrieval import render_passages, select_passages, split_passages
-from pipeline.core.segmentation import Segment
-from pipeline.core.templates import REFERENCE, REFERENCE_FINAL, defang
-from pipeline.engines.factory import EngineSpec
+from connectors.engines.factory import EngineSpec
+from operators.config import ConfigError, MethodConfig, check_context_fit
+from operators.core.chain import ChainConfig, MemoryChain, StepKind, StepRecord
+from operators.core.retrieval import render_passages, select_passages, split_passages
+from operators.core.segmentation import Segment
+from operators.core.templates import REFERENCE, REFERENCE_FINAL, defang
 from pipeline.evaluation.execution import EvalMethod
 from pipeline.resume import chain_key
 
@@ -152,7 +152,7 @@ def test_a_re_reading_method_starts_from_the_plain_chains_final_memory() -> None
     import asyncio
     import contextlib
 
-    from pipeline.engines.fake import FactEngine, WordTokenizer
+    from connectors.engines.fake import FactEngine, WordTokenizer
     from pipeline.evaluation.checkpoints import EvalCheckpoints
     from pipeline.evaluation.execution import EvalSettings, run_configuration
     from pipeline.evaluation.samples import EvalSample

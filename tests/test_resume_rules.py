@@ -1,5 +1,5 @@
 """The resume rules, fast: the corpus job's stages and a Serve job's run on the fake engine
-(pipeline/engines/fake.py) and a SQLite state store, without vLLM and without Ray.
+(connectors/engines/fake.py) and a SQLite state store, without vLLM and without Ray.
 
 The rules: a chain stopped after step k resumes at step k with the memory checkpointed there,
 and its trajectory ends with one `steps` row per step (no gap, no duplicate, the early rows
@@ -21,20 +21,20 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from connectors.engines.factory import EngineSpec
+from connectors.engines.fake import EngineCrash, FactEngine, WordTokenizer, tagged
 from connectors.state.jobs import job_chain_key
 from connectors.state.records import Checkpoint, NewJob
 from connectors.state.schema import groundings, steps
 from connectors.state.store import StateStore
-from operators.memory import MemoryStage
-from operators.read import ReadParseStage
-from operators.run import Question, RunContext
-from operators.segment import SegmentStage
-from pipeline.config import MethodConfig
-from pipeline.core.document import Document, documents_table
-from pipeline.core.templates import INITIAL_MEMORY, TEMPLATE_SETS, get_template_set
-from pipeline.engines.base import GenerationRequest
-from pipeline.engines.factory import EngineSpec
-from pipeline.engines.fake import EngineCrash, FactEngine, WordTokenizer, tagged
+from operators.config import MethodConfig
+from operators.core.document import Document, documents_table
+from operators.core.templates import INITIAL_MEMORY, TEMPLATE_SETS, get_template_set
+from operators.engine import GenerationRequest
+from pipeline.stages.memory import MemoryStage
+from pipeline.stages.read import ReadParseStage
+from pipeline.stages.run import Question, RunContext
+from pipeline.stages.segment import SegmentStage
 from serving.answering import DocumentPreparer
 from serving.config import JobsConfig, ServingConfig
 from serving.documents import DocumentLoader
@@ -155,7 +155,7 @@ class CorpusRun:
 
 @pytest.fixture
 def corpus(tmp_path: Path) -> Iterator[CorpusRun]:
-    from operators import run as run_module
+    from pipeline.stages import run as run_module
 
     run = CorpusRun(f"sqlite:///{tmp_path / 'state.sqlite'}")
     run.store.migrate()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from pipeline.core.chain import ChainConfig, MemoryChain
-from pipeline.core.segmentation import Segment
-from pipeline.engines.base import Completion, GenerationRequest
-from pipeline.runner import ChainRunner, PriorityGate
+from operators.core.chain import ChainConfig, MemoryChain
+from operators.core.segmentation import Segment
+from operators.engine import Completion, GenerationRequest
+from operators.runner import ChainRunner, PriorityGate
 
 
 def segments(doc_id: str, sizes: list[int]) -> list[Segment]:

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.collection import Member, combined_text, order_members
-from pipeline.core.evidence import page_of
-from pipeline.core.figures import find_figures, parse_gold, same_figure, states_figure
+from connectors.engines.fake import FactEngine, WordTokenizer
+from operators.core.collection import Member, combined_text, order_members
+from operators.core.evidence import page_of
+from operators.core.figures import find_figures, parse_gold, same_figure, states_figure
 from pipeline.corpora.sec10q_across import (
     OPERATIONS,
     AcrossQuestion,
     load_across_questions,
     load_parsed_filings,
 )
-from pipeline.engines.fake import FactEngine, WordTokenizer
 from pipeline.evaluation.execution import EvalMethod, EvalSettings, run_configuration
 from pipeline.evaluation.samples import EvalSample
 from pipeline.evaluation.sec10q_across import TASK, build_sec10q_across_samples

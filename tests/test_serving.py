@@ -34,14 +34,14 @@ from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
 import serving.api
+from connectors.engines.fake import FactEngine, WordTokenizer
 from connectors.processes import ServerNotReady, ServerProcess, free_port, http_ok
 from connectors.state.jobs import JobConflict, job_chain_key
 from connectors.state.records import NewJob, StepCheckpoint
 from connectors.state.store import StateStore
-from pipeline.config import ConfigError, MethodConfig
-from pipeline.core.chain import StepRecord
-from pipeline.core.evidence import Evidence, Grounding
-from pipeline.engines.fake import FactEngine, WordTokenizer
+from operators.config import ConfigError, MethodConfig
+from operators.core.chain import StepRecord
+from operators.core.evidence import Evidence, Grounding
 from serving.answering import DocumentPreparer, SyncAnswerer
 from serving.api import ApiServices, KeyCheck, build_api
 from serving.config import (

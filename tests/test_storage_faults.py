@@ -25,8 +25,8 @@ import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 
+from connectors.engines.fake import FACT
 from connectors.state.records import RunProgress
-from pipeline.engines.fake import FACT
 from pipeline.job import JobError, JobSpec, RunSummary, run_job
 from tests.chat_server import FactChatServer, fact_job, reports, write_reports
 from tests.conftest import local_ray

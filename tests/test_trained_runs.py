@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from connectors.engines import models
 from pipeline.cli.models import run_models_list
-from pipeline.engines import models
 from pipeline.training.trainer import CHECKPOINT_DIR
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from operators.core.segmentation import SegmentationConfig, segment, tokenize
 from pipeline.cli.flags import UserError, model_from_flags
 from pipeline.cli.main import build_parser
-from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
 from pipeline.corpora.cuad import is_extractive, load_cuad
 from pipeline.training.config import TrainConfig
 from pipeline.training.contract_fields import FieldSample, generate_field_samples

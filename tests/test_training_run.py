@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from connectors.engines.factory import open_engine
+from operators.core.chain import ChainConfig, MemoryChain
+from operators.core.segmentation import SegmentationConfig, segment, tokenize
+from operators.engine import Completion, GenerationRequest, SamplingConfig
 from pipeline.cli.main import build_parser
-from pipeline.core.chain import ChainConfig, MemoryChain
-from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
-from pipeline.engines.base import Completion, GenerationRequest, SamplingConfig
-from pipeline.engines.factory import open_engine
 from pipeline.training.algorithm import TrainingAlgorithmConfig
 from pipeline.training.config import TrainConfig
 from pipeline.training.learner import Conversation, Learner, LearnerConfig
@@ -243,7 +243,7 @@ def _learner_on_the_base_model(config: TrainConfig) -> Learner:
 
 
 def _base(config: TrainConfig) -> str:
-    from pipeline.engines import models
+    from connectors.engines import models
 
     return models.resolve(config.model)
 
@@ -258,7 +258,7 @@ def test_rollouts_on_a_ray_actor_pool_sample_the_draw_on_the_step_s_weights(  # 
     within 1e-2 nats a token), and the learner then trains on them as on any.
 
     The sampled tokens are not compared with an in-process engine's: on CPU a sampled request
-    draws from the engine's seeded stream (pipeline.engines.vllm_local), so what it samples
+    draws from the engine's seeded stream (connectors.engines.vllm_local), so what it samples
     depends on how the engine happened to batch it, and two runs agree only when their
     batches did. That a share of a draw gets its groups' seeds is
     test_a_share_of_a_draw_samples_what_the_whole_draw_does."""

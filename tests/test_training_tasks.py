@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from pipeline.core.figures import is_table_row
-from pipeline.core.templates import defang
+from operators.core.figures import is_table_row
+from operators.core.templates import defang
 from pipeline.corpora.needles import ADJECTIVES as NIAH_ADJECTIVES
 from pipeline.corpora.needles import NOUNS as NIAH_NOUNS
 from pipeline.corpora.needles import needle as niah_needle

@@ -28,8 +28,8 @@ from connectors.state.schema import (
     rejected_quotes,
     steps,
 )
-from pipeline.core.document import PlannedChain
-from pipeline.core.evidence import Grounding
+from operators.core.document import PlannedChain
+from operators.core.evidence import Grounding
 
 
 class ChainStore(Database):

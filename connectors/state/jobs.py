@@ -39,8 +39,8 @@ from connectors.state.schema import (
     rejected_quotes,
     steps,
 )
-from pipeline.core.document import PlannedChain
-from pipeline.core.evidence import Grounding
+from operators.core.document import PlannedChain
+from operators.core.evidence import Grounding
 
 T = TypeVar("T")
 # A job chain's status as the API shows it: "ok" once answered, "error" once failed, else "pending".

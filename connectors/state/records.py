@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from connectors.state.schema import FINISHED_JOB
 
 if TYPE_CHECKING:
-    from pipeline.core.chain import MemoryChain, StepRecord
+    from operators.core.chain import MemoryChain, StepRecord
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from connectors.state.schema import (
     run_locks,
     runs,
 )
-from pipeline.core.document import PlannedChain
+from operators.core.document import PlannedChain
 
 
 class RunStore(Database):

@@ -153,7 +153,7 @@ run_locks = Table(
     Column("expires_at", Float, nullable=False),  # renewed while the holder lives
 )
 
-# Where each answered chain's answer and memory are found in the source (pipeline.core.evidence).
+# Where each answered chain's answer and memory are found in the source (operators.core.evidence).
 groundings = Table(
     "groundings",
     metadata,

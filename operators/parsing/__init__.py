@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from operators.config import DocumentLimits
 from operators.parsing.base import ParsedText, ParseError, check_char_limit, describe_error
 from operators.parsing.docx_text import parse_docx
 from operators.parsing.formats import (
@@ -27,7 +28,6 @@ from operators.parsing.formats import (
 from operators.parsing.html_text import parse_html
 from operators.parsing.pdf_text import parse_pdf
 from operators.parsing.plain_text import parse_plain_text
-from pipeline.config import DocumentLimits
 
 __all__ = ["ParseError", "ParsedText", "parse_document"]
 _logger = logging.getLogger(__name__)

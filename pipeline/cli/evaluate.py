@@ -23,6 +23,11 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from connectors.engines.factory import EngineSpec, load_tokenizer, open_checked_engine
+from connectors.engines.models import keep_hub_offline_unless_named
+from operators.config import MethodConfig, check_context_fit, parse_config
+from operators.core.templates import get_template_set
+from operators.engine import Engine
 from pipeline.cli import terminal
 from pipeline.cli.flags import (
     EXIT_PARTIAL_FAILURE,
@@ -35,13 +40,8 @@ from pipeline.cli.flags import (
     setting_overrides,
 )
 from pipeline.cli.progress import LineThrottle
-from pipeline.config import MethodConfig, check_context_fit, parse_config
-from pipeline.core.templates import get_template_set
 from pipeline.corpora import check_root
 from pipeline.corpora.cuad import load_cuad
-from pipeline.engines.base import Engine
-from pipeline.engines.factory import EngineSpec, load_tokenizer, open_checked_engine
-from pipeline.engines.models import keep_hub_offline_unless_named
 from pipeline.evaluation import corpora
 from pipeline.evaluation.checkpoints import EvalCheckpoints
 from pipeline.evaluation.cuad import build_cuad_samples

@@ -31,9 +31,9 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
-from pipeline.config import MethodConfig, parse_config, with_default_template
-from pipeline.core.settings import Flag
-from pipeline.engines.factory import EngineSpec
+from connectors.engines.factory import EngineSpec
+from operators.config import MethodConfig, parse_config, with_default_template
+from operators.core.settings import Flag
 
 EXIT_PARTIAL_FAILURE = 1  # some inputs or questions failed; the rest has results
 EXIT_USAGE = 2
@@ -342,6 +342,6 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
 
 def method_config(args: argparse.Namespace) -> MethodConfig:
     """The method the flags describe, over `MethodConfig`'s defaults; the template, unless
-    given, is the model's default (`pipeline.config.default_template`)."""
+    given, is the model's default (`operators.config.default_template`)."""
     given = with_default_template(setting_overrides(args, [*ENGINE_FLAGS, *METHOD_FLAGS]))
     return parse_config(MethodConfig, given["method"], "command line")

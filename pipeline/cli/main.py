@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
+from connectors.engines.models import ModelError, keep_hub_offline_unless_named
+from operators.engine import EngineError
 from pipeline.cli import ask, demo, env, evaluate, models, report, run, terminal, train
 from pipeline.cli.flags import EXIT_INTERRUPTED, EXIT_USAGE, UserError
-from pipeline.engines.base import EngineError
-from pipeline.engines.models import ModelError, keep_hub_offline_unless_named
 
 COMMANDS = (ask, demo, report, run, evaluate, env, models, train)
 PLUGIN_GROUP = "memstream.commands"

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.engines import models
+from connectors.engines import models
 
 
 def register(subparsers: Any) -> None:

@@ -8,6 +8,8 @@ from typing import Any
 
 from rich.table import Table
 
+from connectors.engines import models
+from operators.config import DocumentLimits
 from pipeline.cli import terminal
 from pipeline.cli.flags import (
     ENGINE_FLAGS,
@@ -21,8 +23,6 @@ from pipeline.cli.flags import (
     setting_overrides,
 )
 from pipeline.cli.progress import progress_bar
-from pipeline.config import DocumentLimits
-from pipeline.engines import models
 from pipeline.job import (
     ConcurrencySpec,
     JobError,

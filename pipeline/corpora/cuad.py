@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from operators.core.scoring import AnswerMode
 from operators.parsing import ParseError, parse_document
-from pipeline.core.scoring import AnswerMode
 from pipeline.corpora import check_root
 
 CUAD_LABELS_FILE = "qa/cuad/cuad_labels_for_pdfs_contracts.json"

@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from connectors.engines.factory import EngineSpec
 from connectors.state.records import DocumentRecord
 from connectors.state.store import StateStore
-from pipeline.config import MethodConfig
-from pipeline.core.document import PlannedChain
-from pipeline.engines.factory import EngineSpec
+from operators.config import MethodConfig
+from operators.core.document import PlannedChain
 from pipeline.evaluation.samples import EvalSample
 from pipeline.resume import chain_key
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeline.core.collection import labelled
-from pipeline.core.templates import defang
+from operators.core.collection import labelled
+from operators.core.templates import defang
 
 COMBINE_TEMPLATE = """You are presented with a problem about several documents and, for each document, the answer found when the problem was asked of that document alone. Please answer the problem based on these answers and format your response as follows "Therefore, the answer is (insert answer here)".
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.core.segmentation import tokenize
-from pipeline.core.templates import defang
+from operators.core.segmentation import tokenize
+from operators.core.templates import defang
 
 # The LongBench zero-shot frame with the MemAgent answer format.
 DIRECT_TEMPLATE = (

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from connectors.state.schema import DONE
-from pipeline.ask import DocumentInput, PreparedDocument, prepare, prepare_collection
-from pipeline.config import (
+from operators.config import (
     ChunkSize,
     MaxAnswerTokens,
     MaxMemoryTokens,
@@ -29,32 +28,33 @@ from pipeline.config import (
     Temperature,
     TopP,
 )
-from pipeline.core.collection import (
+from operators.core.collection import (
     Member,
     document_refs,
     in_collection,
     order_members,
     segment_collection,
 )
-from pipeline.core.evidence import find_evidence, text_segments
-from pipeline.core.extraction import extract_answer, strip_thinking
-from pipeline.core.retrieval import render_passages, select_passages, split_passages
-from pipeline.core.scoring import score
-from pipeline.core.segmentation import (
+from operators.core.evidence import find_evidence, text_segments
+from operators.core.extraction import extract_answer, strip_thinking
+from operators.core.retrieval import render_passages, select_passages, split_passages
+from operators.core.scoring import score
+from operators.core.segmentation import (
     Segment,
     SegmentationConfig,
     segment,
     tokenize,
 )
-from pipeline.core.templates import defang, get_template_set
-from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
+from operators.core.templates import defang, get_template_set
+from operators.engine import Engine, GenerationRequest, SamplingConfig
+from operators.runner import ChainRunner
+from pipeline.ask import DocumentInput, PreparedDocument, prepare, prepare_collection
 from pipeline.evaluation.checkpoints import EvalCheckpoints
 from pipeline.evaluation.combined import build_combine_prompt, render_answers
 from pipeline.evaluation.direct import DIRECT_TEMPLATE, build_direct_prompt, chat_overhead_tokens
 from pipeline.evaluation.results import EARLIER_SITTINGS_CALLS, Prediction
 from pipeline.evaluation.samples import EvalSample, count_tokens
 from pipeline.resume import ChainWork, resume_chain
-from pipeline.runner import ChainRunner
 
 MEMORY_REUSED = "memory_reused"
 DIRECT = "direct"

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.core.segmentation import TokenizedDocument, tokenize
+from operators.core.segmentation import TokenizedDocument, tokenize
 from pipeline.evaluation.samples import count_tokens
 
 TEXT_SEPARATOR = "\n\n"

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.core.scoring import METRICS
+from operators.core.scoring import METRICS
 
 
 @dataclass

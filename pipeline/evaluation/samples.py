@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.core.collection import Member
-from pipeline.core.scoring import AnswerMode
+from operators.core.collection import Member
+from operators.core.scoring import AnswerMode
 
 KIBI = 1024
 _LENGTH = re.compile(r"(\d+(?:\.\d+)?)([km]?)")
@@ -55,7 +55,7 @@ class EvalSample:
     variant: str | None = None  # NIAH: "single", "multikey" or "multivalue"; CUAD: the category
     details: dict[str, Any] = field(default_factory=dict)
     # A question over a collection: its documents in reading order, read by one chain
-    # (`pipeline.core.collection`); `document` is then their `combined_text`, what a one-call
+    # (`operators.core.collection`); `document` is then their `combined_text`, what a one-call
     # method reads and what names the sample's content. () for one document.
     documents: tuple[Member, ...] = ()
 

@@ -2,7 +2,7 @@
 (`pipeline.corpora.sec10q_across`), each asked of its filings as one collection read in order
 (oldest first), scored by value (answer mode "figure").
 
-Memory chains read the filings as one collection (`pipeline.core.collection`); `rag-bm25`
+Memory chains read the filings as one collection (`operators.core.collection`); `rag-bm25`
 ranks the passages of every filing together; `direct` reads the filings one after another, each
 after its header, middle-truncated to the window. `--samples` keeps the first that many.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.collection import Member, combined_text, order_members
+from operators.core.collection import Member, combined_text, order_members
 from pipeline.corpora.sec10q_across import (
     AcrossQuestion,
     load_across_questions,

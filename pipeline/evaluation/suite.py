@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pipeline.engines.base import Engine
-from pipeline.engines.hardware import detect
+from connectors.engines.hardware import detect
+from operators.engine import Engine
 from pipeline.evaluation.checkpoints import EvalCheckpoints
 from pipeline.evaluation.execution import EvalMethod, EvalSettings, ProgressHook, run_configuration
 from pipeline.evaluation.results import (

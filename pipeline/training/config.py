@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Literal, cast, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from pipeline.config import (
+from connectors.engines.factory import KvCacheGib, MaxModelLen, ModelName
+from operators.config import (
     ChunkSize,
     MaxAnswerTokens,
     MaxMemoryTokens,
@@ -20,9 +21,8 @@ from pipeline.config import (
     TopP,
     default_template,
 )
-from pipeline.core.chain import ChainConfig
-from pipeline.core.templates import get_template_set
-from pipeline.engines.factory import KvCacheGib, MaxModelLen, ModelName
+from operators.core.chain import ChainConfig
+from operators.core.templates import get_template_set
 
 if TYPE_CHECKING:
     from pipeline.training.algorithm import TrainingAlgorithmConfig
@@ -68,7 +68,7 @@ class TrainConfig(BaseModel):
 
     output: Path = Field(description="Folder for the checkpoint (a loadable model) and metrics.")
     # The policy to train. The method's and the rollout engine's settings are theirs
-    # (pipeline.config, pipeline.engines.factory), with defaults for short training chains.
+    # (operators.config, connectors.engines.factory), with defaults for short training chains.
     model: ModelName = "smollm2-135m-instruct"
     answers: Path | None = Field(
         None,

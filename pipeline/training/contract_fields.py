@@ -29,7 +29,7 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.core.scoring import AnswerMode
+from operators.core.scoring import AnswerMode
 from pipeline.corpora import DEFAULT_CORPORA
 from pipeline.corpora.cuad import (
     Contract,
@@ -48,7 +48,7 @@ class FieldSample:
     document: str
     question: str
     answers: list[str]
-    answer_mode: AnswerMode  # how `answers` combine in the reward (pipeline.core.scoring)
+    answer_mode: AnswerMode  # how `answers` combine in the reward (operators.core.scoring)
     contract: str
     category: str
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pipeline.core.scoring import AnswerMode
+from operators.core.scoring import AnswerMode
 from pipeline.corpora import DEFAULT_CORPORA
 from pipeline.corpora.needles import (
     ADJECTIVES,

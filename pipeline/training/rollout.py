@@ -22,14 +22,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.chain import ChainConfig, MemoryChain, StepKind, StepRequest
-from pipeline.core.extraction import extract_answer
-from pipeline.core.scoring import AnswerMode, score
-from pipeline.core.segmentation import Segment, SegmentationConfig, segment, tokenize
-from pipeline.core.templates import defang
-from pipeline.engines import models
-from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
-from pipeline.engines.factory import EngineSpec
+from connectors.engines import models
+from connectors.engines.factory import EngineSpec
+from operators.core.chain import ChainConfig, MemoryChain, StepKind, StepRequest
+from operators.core.extraction import extract_answer
+from operators.core.scoring import AnswerMode, score
+from operators.core.segmentation import Segment, SegmentationConfig, segment, tokenize
+from operators.core.templates import defang
+from operators.engine import Engine, GenerationRequest, SamplingConfig
 from pipeline.training.config import TrainConfig
 from pipeline.training.contract_fields import FieldSample
 from pipeline.training.learner import Conversation
@@ -64,7 +64,7 @@ def reward_of(
     answer_mode: AnswerMode = "any",
 ) -> float:
     """1.0 when the extracted answer is right as the evaluation scores it
-    (pipeline.core.scoring): for `answer_mode` "any" it matches a gold answer after
+    (operators.core.scoring): for `answer_mode` "any" it matches a gold answer after
     normalisation (sub_em, best over the golds), for "all" it names every gold (the parties of
     a contract); else 0.0. `raw_match` also counts the golds found anywhere in the response,
     for models that seldom say "the answer is"."""

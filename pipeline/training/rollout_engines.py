@@ -1,6 +1,6 @@
 """Where a step's chains are sampled: one engine in this process, or a Ray actor pool of them.
 
-The job's memory operator drives its chains on a pool of engine actors (operators.memory);
+The job's memory operator drives its chains on a pool of engine actors (pipeline.stages.memory);
 `memstream train --rollout-actors N` samples its rollouts the same way: each actor owns one
 engine on the step's weights and rolls out a contiguous share of each draw's samples. A chain's
 seed follows from its group's place in the draw (pipeline.training.rollout.roll_out_samples),
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from pipeline.engines import models
-from pipeline.engines.base import Engine
-from pipeline.engines.factory import ENGINE_ACTOR_ENV_VARS, open_engine
+from connectors.engines import models
+from connectors.engines.factory import ENGINE_ACTOR_ENV_VARS, open_engine
+from operators.engine import Engine
 from pipeline.training.config import TrainConfig
 from pipeline.training.rollout import (
     ChainRollout,

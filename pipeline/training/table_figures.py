@@ -5,7 +5,7 @@ Rows read as the PDF parser writes a table row under its column headers
 $ 16,110; Three Months Ended September 30, 2022 $ 20,538", one row a block. A question names
 the row's label and one column's header, "What was AWS, Net sales for Three Months Ended
 September 30, 2022?", and the gold answer is that cell's figure as printed, scored as a figure
-(answer mode "figure", pipeline.core.figures: "20,538", "$20,538 million" and "$20.5 billion"
+(answer mode "figure", operators.core.figures: "20,538", "$20,538 million" and "$20.5 billion"
 count; another column's figure, or a dumped row, does not).
 
 Two tasks:
@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.core.figures import find_figures
-from pipeline.core.scoring import AnswerMode
+from operators.core.figures import find_figures
+from operators.core.scoring import AnswerMode
 from pipeline.corpora import DEFAULT_CORPORA, check_root
 from pipeline.corpora.sec10q import FILINGS_FOLDER, load_filings, load_questions
 from pipeline.training.tasks import (
@@ -90,7 +90,7 @@ def parse_headed_row(line: str) -> HeadedRow | None:
         if match["header"] and len(find_figures(match["value"])) == 1:
             cells.append((match["header"], match["value"]))
     if len(find_figures(rest)) < 2 or not cells:
-        return None  # a row has two figures or more (pipeline.core.figures.is_table_row)
+        return None  # a row has two figures or more (operators.core.figures.is_table_row)
     return HeadedRow(label, tuple(cells))
 
 

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from operators.core.scoring import AnswerMode
 from operators.parsing import parse_document
-from pipeline.core.scoring import AnswerMode
 from pipeline.corpora import DEFAULT_CORPORA
 
 Split = Literal["train", "heldout"]

@@ -35,9 +35,9 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.engines import models
-from pipeline.engines.base import SamplingConfig
-from pipeline.engines.factory import open_engine
+from connectors.engines import models
+from connectors.engines.factory import open_engine
+from operators.engine import SamplingConfig
 from pipeline.training.algorithm import (
     broadcast_to_conversations,
     group_advantages,

@@ -29,10 +29,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from pipeline.config import default_template
-from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
-from pipeline.core.templates import get_template_set
-from pipeline.engines import models
+from connectors.engines import models
+from operators.config import default_template
+from operators.core.segmentation import SegmentationConfig, segment, tokenize
+from operators.core.templates import get_template_set
 from pipeline.training.config import TrainConfig
 from pipeline.training.rollout import PromptSplicer, TrainingSample, load_tokenizer
 from pipeline.training.trainer import SampleSource, task_samples

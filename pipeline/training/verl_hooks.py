@@ -23,8 +23,8 @@ from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
 from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
 
-from pipeline.core.chain import ChainConfig
-from pipeline.core.templates import get_template_set
+from operators.core.chain import ChainConfig
+from operators.core.templates import get_template_set
 from pipeline.training.verl_reward import MEMORY_LENGTHS
 from pipeline.training.verl_rollout import ServerEngine, roll_out_row
 

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pipeline.core.chain import ChainConfig, MemoryChain
-from pipeline.core.segmentation import SegmentationConfig, segment, tokenize
-from pipeline.engines.base import Completion, GenerationRequest, SamplingConfig
+from operators.core.chain import ChainConfig, MemoryChain
+from operators.core.segmentation import SegmentationConfig, segment, tokenize
+from operators.engine import Completion, GenerationRequest, SamplingConfig
 from pipeline.training.learner import Conversation
 from pipeline.training.rollout import PromptSplicer, roll_out_chain
 

@@ -9,9 +9,9 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from pipeline.core.collection import labelled
-from pipeline.core.quotes import NOTHING_FOUND, check_quotes
-from pipeline.core.retrieval import PASSAGE_RANKING
+from operators.core.collection import labelled
+from operators.core.quotes import NOTHING_FOUND, check_quotes
+from operators.core.retrieval import PASSAGE_RANKING
 
 REFERENCE_UPDATE = """You are presented with a problem, a section of an article that may contain the answer to the problem, and a previous memory. Please read the provided section carefully and update the memory with the new information that helps to answer the problem. Be sure to retain all relevant details from the previous memory while adding any new, useful information.
 
@@ -87,7 +87,7 @@ class TemplateSet:
     the new memory; "append" adds it to the memory as new lines, unless it says NONE, and drops
     the oldest lines, saying how many, once the memory outgrows its budget; "quotes" appends only
     the reply's lines that are found in the section, as the section's text, and reports the rest
-    as rejected (`pipeline.core.quotes`).
+    as rejected (`operators.core.quotes`).
     """
 
     name: str

@@ -7,7 +7,7 @@ segment crosses a document boundary (`segment_collection`), and every segment ca
 document's `DocumentRef`: the model reads the document's header before each of its segments
 (`Segment.shown_text`), a verifying memory prefixes each kept quote with the document's label
 (`TemplateSet.next_memory`), and evidence names the document and its page
-(`pipeline.core.evidence`). Segment indexes count across the collection, so step k of its chain
+(`operators.core.evidence`). Segment indexes count across the collection, so step k of its chain
 reads segment k as for one document; offsets stay those of each document's own text.
 
 A document read alone has no `DocumentRef`: its prompts and chain keys are unchanged.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal, get_args
 
-from pipeline.core.segmentation import (
+from operators.core.segmentation import (
     DocumentRef,
     Segment,
     SegmentationConfig,

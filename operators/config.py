@@ -11,24 +11,26 @@ from typing import Annotated, Any, TypeVar, get_args, get_type_hints
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 
-from pipeline.core.chain import (
+from operators.core.chain import (
     REFERENCE_MAX_ANSWER_TOKENS,
     REFERENCE_MAX_MEMORY_TOKENS,
     ChainConfig,
 )
-from pipeline.core.segmentation import REFERENCE_CHUNK_SIZE, SegmentationConfig
-from pipeline.core.settings import Flag
-from pipeline.core.templates import (
+from operators.core.segmentation import REFERENCE_CHUNK_SIZE, SegmentationConfig
+from operators.core.settings import Flag
+from operators.core.templates import (
     REFERENCE,
     REREAD_DIGEST,
     SEGMENT_FIRST,
     VERIFIED_QUOTES,
     get_template_set,
 )
-from pipeline.engines.base import SamplingConfig
-from pipeline.engines.factory import DEFAULT_MODEL
+from operators.engine import SamplingConfig
 
 T = TypeVar("T")
+
+# The packaged model `ask`, jobs and Serve run unless told otherwise (docs/accuracy.md: why).
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 STRICT_KEYS = ConfigDict(extra="forbid")  # unknown keys are errors, at every level
 # Tokens a chat template adds around a rendered prompt (role markers), with a margin.
 CHAT_OVERHEAD_TOKENS = 32

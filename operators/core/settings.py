@@ -1,7 +1,7 @@
 """How a setting meets the command line, said where the setting is declared.
 
-Every setting is a field of one typed record (`pipeline.config.MethodConfig`,
-`pipeline.engines.factory.EngineSpec`, `pipeline.job.JobSpec`, ...), declared once with its
+Every setting is a field of one typed record (`operators.config.MethodConfig`,
+`connectors.engines.factory.EngineSpec`, `pipeline.job.JobSpec`, ...), declared once with its
 type, its default and a pydantic `Field(description=...)`; the commands generate their flags
 from those fields (`pipeline.cli.flags`). A flag is `--` and the field's name with dashes unless
 the field carries a `Flag` in its `Annotated` metadata saying otherwise.

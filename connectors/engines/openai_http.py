@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from pipeline.engines.base import Completion, EngineError, EngineUnhealthy, GenerationRequest
+from operators.engine import Completion, EngineError, EngineUnhealthy, GenerationRequest
 
 HEALTH_CHECK_TIMEOUT_S = 1.5
 CONNECT_TIMEOUT_S = 5.0  # a host that drops packets fails in seconds, not after timeout_s

@@ -35,7 +35,7 @@ class SegmentationConfig:
 @dataclass(frozen=True)
 class DocumentRef:
     """A collection's document as its segments carry it: its name, its place in the reading
-    order and its order key (`pipeline.core.collection`), and its pages."""
+    order and its order key (`operators.core.collection`), and its pages."""
 
     name: str
     position: int  # 1-based, in the collection's reading order

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from pipeline.core.extraction import extract_answer, strip_thinking
-from pipeline.core.retrieval import Passage, render_passages, select_passages, split_passages
-from pipeline.core.segmentation import Segment
-from pipeline.core.templates import REFERENCE, TemplateSet
+from operators.core.extraction import extract_answer, strip_thinking
+from operators.core.retrieval import Passage, render_passages, select_passages, split_passages
+from operators.core.segmentation import Segment
+from operators.core.templates import REFERENCE, TemplateSet
 
 REFERENCE_MAX_MEMORY_TOKENS = 1024
 REFERENCE_MAX_ANSWER_TOKENS = 1024
@@ -29,7 +29,7 @@ class ChainConfig:
     max_memory_tokens: int = REFERENCE_MAX_MEMORY_TOKENS
     max_answer_tokens: int = REFERENCE_MAX_ANSWER_TOKENS
     # Tokens of the document re-read at answer time: passages that the question and the final
-    # memory point to (pipeline.core.retrieval). 0 answers from the memory alone, as published.
+    # memory point to (operators.core.retrieval). 0 answers from the memory alone, as published.
     reread_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -169,7 +169,7 @@ class MemoryChain:
 
 
 class Reply(Protocol):
-    """What a step needs of the engine's reply (`pipeline.engines.base.Completion` is one)."""
+    """What a step needs of the engine's reply (`operators.engine.Completion` is one)."""
 
     @property
     def text(self) -> str: ...

@@ -1,6 +1,6 @@
 """Scores of one prediction against a sample's reference answers.
 
-HotpotQA metrics follow the MemAgent reference (pipeline.core.extraction), taking the best
+HotpotQA metrics follow the MemAgent reference (operators.core.extraction), taking the best
 reference when there are several; RULER's string matches score the needles. A missing answer
 (no "the answer is") scores 0 everywhere, as in the reference; `raw_match` alone looks at the
 whole raw response, to tell a model that found the fact from one that also used the format.
@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Literal
 
-from pipeline.core.extraction import (
+from operators.core.extraction import (
     exact_match,
     f1_score,
     normalize_answer,
@@ -21,12 +21,12 @@ from pipeline.core.extraction import (
     string_match_any,
     sub_exact_match,
 )
-from pipeline.core.figures import states_figure
+from operators.core.figures import states_figure
 
 # "any": the answers are alternatives for one answer (HotpotQA, most CUAD labels).
 # "all": every answer must be given (NIAH multi-value, the parties of a contract).
 # "figure": the answers are spellings of one printed figure ("$39,669 million"), compared as
-# values (pipeline.core.figures): "$39.7 billion" counts, a bare "8" or a dumped row does not.
+# values (operators.core.figures): "$39.7 billion" counts, a bare "8" or a dumped row does not.
 AnswerMode = Literal["any", "all", "figure"]
 
 METRICS = (

@@ -71,7 +71,7 @@ class EngineUnhealthy(EngineError):
 
 
 class Engine(Protocol):
-    """An engine starts when it is built (`pipeline.engines.factory.open_engine`), is checked
+    """An engine starts when it is built (`connectors.engines.factory.open_engine`), is checked
     once before its first request (`open_checked_engine` does both) and shut down once at the
     end."""
 

@@ -14,7 +14,7 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 
-from pipeline.engines.base import Completion, EngineError, EngineUnhealthy, GenerationRequest
+from operators.engine import Completion, EngineError, EngineUnhealthy, GenerationRequest
 
 FACT = re.compile(r"\bfact-\w+")
 NO_FACT_YET = "No fact yet."
@@ -49,7 +49,7 @@ def reply_to(prompt: str) -> str:
 
 
 class FactEngine:
-    """An `Engine` (pipeline.engines.base) with deterministic replies (`reply_to`).
+    """An `Engine` (operators.engine) with deterministic replies (`reply_to`).
 
     `fail_on_call=N` raises `failure` in the N-th call (counting from 1) instead of replying:
     an `EngineError` for a call that fails, `EngineCrash` for a process that dies. `before_reply`
@@ -108,7 +108,7 @@ class FactEngine:
 
 class WordTokenizer:
     """One token per word, with the whitespace before it (as byte-level BPE tokenizers keep
-    it): enough for `pipeline.core.segmentation`, whose segments then hold `chunk_size` words
+    it): enough for `operators.core.segmentation`, whose segments then hold `chunk_size` words
     and decode to the exact text they cover."""
 
     def __init__(self) -> None:

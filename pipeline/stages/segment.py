@@ -10,13 +10,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from connectors.engines.factory import EngineSpec, load_tokenizer
 from connectors.state.database import StateStoreError
 from connectors.state.records import DocumentRecord
 from connectors.state.schema import DONE
-from operators.run import RunContext, open_store
-from pipeline.core.document import Document, PlannedChain, documents_of, documents_table
-from pipeline.core.segmentation import segment, tokenize
-from pipeline.engines.factory import EngineSpec, load_tokenizer
+from operators.core.document import Document, PlannedChain, documents_of, documents_table
+from operators.core.segmentation import segment, tokenize
+from pipeline.stages.run import RunContext, open_store
 
 logger = logging.getLogger(__name__)
 

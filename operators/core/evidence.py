@@ -26,7 +26,7 @@ figure's neighbours are other figures. An answer that is one amount ("$39,669 mi
 as "60 days" are not amounts) is grounded where that value is printed (by value, in any scale:
 "$39.7 billion" is printed "39,669" under "(In millions)") inside a record that names what the
 question asks about:
-- a table row (`pipeline.core.figures.is_table_row`)
+- a table row (`operators.core.figures.is_table_row`)
   holding a key term of the question, or a sentence holding a key term and
   `FIGURE_SENTENCE_MIN_TERMS` terms in all (all, if fewer);
 - the key terms are those the document prints about as rarely as its rarest (within
@@ -57,7 +57,7 @@ and tried anchor word of a memory sentence, and fuzzy alignment only in short wi
 anchor hits. Offsets are exact when each segment's text is the slice of the document text that
 its char offsets name; segments whose text length disagrees with their offsets are skipped.
 
-In a collection (`pipeline.core.collection`) the segments of all its documents are searched
+In a collection (`operators.core.collection`) the segments of all its documents are searched
 together, the rules unchanged; each evidence item names its document and that document's page,
 and the memory's document labels are left out before its sentences are looked up.
 """
@@ -74,11 +74,11 @@ from itertools import islice
 
 from rapidfuzz import fuzz
 
-from pipeline.core.collection import has_documents, strip_labels
-from pipeline.core.extraction import STOP_WORDS, normalize_answer
-from pipeline.core.figures import Figure, find_figures, is_table_row, same_figure
-from pipeline.core.segmentation import Segment
-from pipeline.core.templates import INITIAL_MEMORY
+from operators.core.collection import has_documents, strip_labels
+from operators.core.extraction import STOP_WORDS, normalize_answer
+from operators.core.figures import Figure, find_figures, is_table_row, same_figure
+from operators.core.segmentation import Segment
+from operators.core.templates import INITIAL_MEMORY
 
 # Half-width of the window around an answer match in which question terms must appear: about
 # one paragraph, so a term from an unrelated clause or table a page away does not count.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.core.segmentation import Segment
+from operators.core.segmentation import Segment
 
 PASSAGE_WORDS = 300
 # How much a chain's memory counts beside its question when passages are ranked for a re-read.

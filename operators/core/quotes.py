@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 from rapidfuzz import fuzz
 
-from pipeline.core.extraction import STOP_WORDS
-from pipeline.core.figures import is_table_row
+from operators.core.extraction import STOP_WORDS
+from operators.core.figures import is_table_row
 
 # 90 allows a few changed characters in a 60-character sentence; a sentence the model wrote
 # itself, even about the same fact, scores far lower.

@@ -1,4 +1,4 @@
-"""What every operator knows of the run it works for: small, picklable, shipped to each worker."""
+"""What every stage knows of the run it works for: small, picklable, shipped to each worker."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from connectors.engines.factory import EngineSpec
 from connectors.state.records import ErrorRecord
 from connectors.state.store import StateStore
-from pipeline.config import DocumentLimits, MethodConfig
-from pipeline.core.document import Document
-from pipeline.engines.factory import EngineSpec
+from operators.config import DocumentLimits, MethodConfig
+from operators.core.document import Document
 from pipeline.resume import chain_key
 
 

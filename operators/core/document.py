@@ -21,7 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.core.segmentation import Segment
+from operators.core.segmentation import Segment
 
 
 @dataclass(frozen=True)
