@@ -15,6 +15,7 @@ import torch
 from connectors.engines.factory import open_engine
 from operators.core.chain import ChainConfig, MemoryChain
 from operators.core.segmentation import SegmentationConfig, segment, tokenize
+from operators.core.templates import get_template_set
 from operators.engine import Completion, GenerationRequest, SamplingConfig
 from pipeline.cli.main import build_parser
 from pipeline.training.algorithm import TrainingAlgorithmConfig
@@ -79,6 +80,23 @@ def test_memory_ids_enter_the_next_prompt_as_sampled(  # type: ignore[no-untyped
         spliced += found
     # Every memory that came back as the model wrote it is spliced in as its sampled ids.
     assert spliced >= 1
+
+
+def test_a_template_that_does_not_show_the_memory_gets_its_prompt_as_rendered(  # type: ignore[no-untyped-def]
+    tokenizer,
+) -> None:
+    """verified-quotes' update prompt holds the question and the chunk, not the memory: a
+    memory's sampled ids have nowhere to go, and the prompt is the chain's own."""
+    segments = segment(
+        tokenize("doc", DOCUMENT, tokenizer), tokenizer, SegmentationConfig(chunk_size=24)
+    )
+    quotes = get_template_set("verified-quotes")
+    config = ChainConfig(templates=quotes, max_memory_tokens=16, max_answer_tokens=16)
+    chain = MemoryChain("c", "What is the access code for the amber tower vault?", segments, config)
+    splicer = PromptSplicer(tokenizer)
+    request = chain.next_request()
+    assert request is not None
+    assert splicer.prompt_ids(chain, request, [15, 16]) == splicer.chat_ids(request.prompt)
 
 
 def test_the_engine_takes_prompt_ids_and_reports_what_it_sampled(  # type: ignore[no-untyped-def]

@@ -104,6 +104,8 @@ class PromptSplicer:
             content = templates.render_update(chain.question, MEMORY_SLOT, request.segment.text)
         else:
             content = templates.render_final(chain.question, MEMORY_SLOT)
+        if MEMORY_SLOT not in content:  # the template does not show the memory (verified-quotes)
+            return self.chat_ids(request.prompt)
         rendered = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
         )
