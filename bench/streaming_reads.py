@@ -1,6 +1,6 @@
 """Streaming reads: the driver's memory while the corpus job reads, parses and segments.
 
-Two corpora, each through the job's own stages (pipeline.job.read_sources, ReadParseStage,
+Two corpora, each through the job's own stages (pipeline.job.graph.read_sources, ReadParseStage,
 SegmentStage: the real tokenizer, a real SQLite state store) but without the memory stage, so
 no model runs; the driver takes each plan as a row of counts, as the job takes the memory
 stage's small rows:
@@ -57,7 +57,7 @@ from connectors.engines.factory import EngineSpec  # noqa: E402
 from connectors.engines.fake import word_tokenizer  # noqa: E402
 from connectors.state.store import StateStore  # noqa: E402
 from operators.config import MethodConfig  # noqa: E402
-from pipeline.job import read_sources  # noqa: E402
+from pipeline.job.graph import read_sources  # noqa: E402
 from pipeline.stages.read import ReadParseStage  # noqa: E402
 from pipeline.stages.run import Question, RunContext  # noqa: E402
 from pipeline.stages.segment import SegmentStage  # noqa: E402

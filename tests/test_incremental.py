@@ -39,7 +39,8 @@ from connectors.state.schema import run_chains, runs
 from connectors.state.store import StateStore
 from operators.core.document import PlannedChain
 from operators.core.templates import TEMPLATE_SETS, get_template_set
-from pipeline.job import JobSpec, derive_archive_key, run_job
+from pipeline.job import JobSpec, run_job
+from pipeline.job.plan import derive_archive_key
 from pipeline.stages.run import RunContext
 from tests.chat_server import FactChatServer
 from tests.conftest import TEST_MODEL

@@ -46,15 +46,8 @@ from operators.parsing import parse_document
 from pipeline.cli.flags import method_config
 from pipeline.cli.main import build_parser, main
 from pipeline.cli.run import spec_from_arguments
-from pipeline.job import (
-    JobError,
-    JobSpec,
-    derive_archive_key,
-    derive_job_key,
-    load_job_spec,
-    plan_job,
-    run_job,
-)
+from pipeline.job import JobError, JobSpec, load_job_spec, run_job
+from pipeline.job.plan import derive_archive_key, derive_job_key, plan_job
 from pipeline.stages.run import Question, RunContext
 from serving.config import config_from_mapping, load_config
 from tests.conftest import TEST_MODEL, assert_clean_terminal
@@ -182,7 +175,7 @@ def test_yaml_paths_are_relative_to_the_file_and_flags_win(tmp_path: Path) -> No
         {"type": "local", "path": str(tmp_path / "more")},
     )
     assert spec.output.uri == str(tmp_path / "out")
-    from pipeline.job import resolve_questions
+    from pipeline.job.plan import resolve_questions
 
     assert resolve_questions(spec) == (
         Question("q0", "Who signed it?"),
@@ -333,7 +326,7 @@ def test_sources_are_one_ray_read_and_every_input_ends_read_or_in_errors(
     import ray
 
     from connectors import open_source
-    from pipeline.job import read_sources
+    from pipeline.job.graph import read_sources
     from pipeline.stages.read import ReadParseStage
 
     folder = tmp_path / "docs"

@@ -1,6 +1,6 @@
 """Live progress on the terminal: a bar for `ask`, `run` and `demo`, lines for a plain log.
 
-The readings come from the job's watcher (`pipeline.job.watching`), or from `ask`'s chains.
+The readings come from the job's watcher (`pipeline.job.summary.watching`), or from `ask`'s chains.
 """
 
 from __future__ import annotations

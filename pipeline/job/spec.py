@@ -1,0 +1,230 @@
+"""What a job is: `JobSpec` and its sections, from YAML (`load_job_spec`) or built in Python."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
+
+import yaml
+from pydantic import Field
+
+from connectors.engines.factory import EngineSpec
+from connectors.output import S3_MAX_ATTEMPTS
+from operators.config import (
+    STRICT_KEYS,
+    ConfigError,
+    DocumentLimits,
+    MethodConfig,
+    parse_config,
+    with_default_template,
+)
+from operators.core.settings import Flag
+
+
+class JobError(ValueError):
+    """A job that cannot run as specified; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """Where a run's tables go: OUTPUT/RUN_ID/answers.parquet, trajectory, errors."""
+
+    uri: Annotated[
+        str,
+        Field(description="a local folder or s3://bucket/prefix"),
+        Flag(name="--output", metavar="URI"),
+    ]
+    s3_endpoint_url: Annotated[
+        str | None,
+        Field(description="an S3-compatible store's endpoint for an s3:// output; unset: AWS"),
+        Flag(metavar="URL"),
+    ] = None
+    s3_max_attempts: Annotated[
+        int, Field(gt=0, description="attempts of each S3 call, with backoff between them")
+    ] = S3_MAX_ATTEMPTS
+
+    def __post_init__(self) -> None:
+        if not self.uri.strip():
+            raise ValueError("output.uri is empty: give a local folder or s3://bucket/prefix")
+        if self.s3_max_attempts < 1:
+            raise ValueError(f"s3_max_attempts must be at least 1, got {self.s3_max_attempts}")
+
+    @property
+    def is_local(self) -> bool:
+        return urlparse(self.uri).scheme in ("", "file")
+
+
+@dataclass(frozen=True)
+class ConcurrencySpec:
+    """How much of the job runs at once, and where."""
+
+    actors: Annotated[
+        int, Field(ge=1, description="memory-stage actors (engines), one engine each")
+    ] = 1
+    max_active_chains: Annotated[int, Field(ge=1, description="chains one actor runs at once")] = 64
+    batches_in_flight: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="batches one actor holds at once: their chains run together, and the "
+            "window in which longest-first scheduling chooses",
+        ),
+    ] = 32
+    batch_size: Annotated[int, Field(ge=1, description="documents per memory-stage batch")] = 1
+    num_gpus: Annotated[float, Field(ge=0, description="GPUs per memory-stage actor")] = 0.0
+    num_cpus: Annotated[float, Field(ge=0, description="CPUs per memory-stage actor")] = 1.0
+    read_tasks: Annotated[int, Field(ge=1, description="read, parse and segment tasks at once")] = 2
+    schedule: Annotated[
+        Literal["longest-first", "source-order"],
+        Field(
+            description="which chains the engine serves first; longest-first: those with most "
+            "document tokens left, so the longest document is not the tail of the run; "
+            "source-order: as they come"
+        ),
+    ] = "longest-first"
+
+    def __post_init__(self) -> None:
+        for name in ("actors", "max_active_chains", "batches_in_flight", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.read_tasks < 1:
+            raise ValueError(f"read_tasks must be at least 1, got {self.read_tasks}")
+        if self.num_gpus < 0 or self.num_cpus < 0:
+            raise ValueError("num_gpus and num_cpus cannot be negative")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    __pydantic_config__ = STRICT_KEYS
+
+    sources: Annotated[
+        tuple[str | dict[str, Any], ...],
+        Field(
+            description="the documents: a path, glob, folder or s3://bucket/prefix, or a mapping "
+            "as connectors.open_source takes it"
+        ),
+        Flag(name="--input", metavar="URI", repeat=True),
+    ]
+    output: OutputSpec
+    questions: Annotated[
+        tuple[str, ...],
+        Field(description="a question asked of every document (ids q0, q1, ...)"),
+        Flag(name="--question", short="-q", metavar="Q", repeat=True),
+    ] = ()
+    questions_file: Annotated[
+        str | None,
+        Field(description="more questions: one a line, or a JSON list"),
+        Flag(name="--questions", metavar="FILE"),
+    ] = None
+    schema: Annotated[
+        dict[str, str],
+        Field(description="field name -> question, the field name being the question's id"),
+    ] = field(default_factory=dict)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    limits: DocumentLimits = field(default_factory=DocumentLimits)  # of one document
+    # Kept out of repr: it may hold a password.
+    state_store: Annotated[
+        str | None,
+        Field(
+            description="SQLAlchemy URL of the checkpoints; unset: SQLite beside the output "
+            "(an s3:// output's in the user cache folder)"
+        ),
+        Flag(metavar="URL"),
+    ] = field(default=None, repr=False)
+    run_id: Annotated[
+        str | None,
+        Field(
+            description="the run to start or resume; unset: <job key>-<n>, a new one per run, "
+            "the unfinished one resumed"
+        ),
+    ] = None
+    concurrency: ConcurrencySpec = field(default_factory=ConcurrencySpec)
+    ray_address: Annotated[
+        str | None,
+        Field(
+            description="Ray cluster to run on; unset: the running Ray session, else a local one"
+        ),
+        Flag(metavar="ADDRESS"),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise ValueError("sources is empty: name at least one input (a path, s3:// or SQL)")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "job") -> JobSpec:
+        """Validates a plain mapping (as YAML gives it); errors name the key and what is wrong."""
+        if not isinstance(data, Mapping):
+            raise JobError(f"{where}: a job must be a mapping of keys, got {type(data).__name__}")
+        raw = with_default_template(data)
+        if isinstance(raw.get("output"), str):
+            raw["output"] = {"uri": raw["output"]}
+        for key in ("sources", "questions"):
+            if isinstance(raw.get(key), (str, dict)):
+                raw[key] = [raw[key]]
+        try:
+            return parse_config(cls, raw, where)
+        except ConfigError as error:
+            raise JobError(str(error)) from None
+
+
+def load_job_spec(path: str | Path, overrides: Mapping[str, Any] | None = None) -> JobSpec:
+    """A job from YAML. Relative local paths in it are relative to the YAML file's folder.
+    `overrides` (e.g. from command-line flags) are merged over it, section by section."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise JobError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise JobError(f"{path}: a job must be a mapping of keys, got {type(data).__name__}")
+    data = anchor_paths(data, path.parent)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return JobSpec.from_dict(data, str(path))
+
+
+def anchor_paths(data: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The job with its relative local paths made relative to `folder`."""
+    data = dict(data)
+    sources = data.get("sources")
+    if isinstance(sources, (str, dict)):
+        sources = [sources]
+    if isinstance(sources, list):
+        data["sources"] = [_anchor_source(source, folder) for source in sources]
+    if isinstance(data.get("questions_file"), str):
+        data["questions_file"] = _anchor(data["questions_file"], folder)
+    output = data.get("output")
+    if isinstance(output, str):
+        data["output"] = _anchor(output, folder)
+    elif isinstance(output, dict) and isinstance(output.get("uri"), str):
+        data["output"] = {**output, "uri": _anchor(output["uri"], folder)}
+    return data
+
+
+def _anchor_source(source: Any, folder: Path) -> Any:
+    if isinstance(source, str):
+        return _anchor(source, folder)
+    if isinstance(source, dict) and source.get("type") in ("local", "dataset"):
+        anchored = dict(source)
+        for key in ("path", "paths"):
+            value = anchored.get(key)
+            if isinstance(value, str):
+                anchored[key] = _anchor(value, folder)
+            elif isinstance(value, list):
+                anchored[key] = [_anchor(v, folder) if isinstance(v, str) else v for v in value]
+        return anchored
+    return source
+
+
+def _anchor(value: str, folder: Path) -> str:
+    if "://" in value or Path(value).expanduser().is_absolute():
+        return value
+    return str(folder / value)
