@@ -24,7 +24,6 @@ from typing import Any
 import common
 
 from operators.core.templates import TEMPLATE_SETS
-from pipeline.cli.evaluate import recorded_template_digests
 from pipeline.evaluation.report import RESULTS_JSON, GroundingStats, read_results
 from pipeline.evaluation.results import (
     ConfigurationRun,
@@ -32,6 +31,7 @@ from pipeline.evaluation.results import (
     calls_in_sitting,
     predictions_of,
 )
+from pipeline.evaluation.resuming import recorded_template_digests
 
 NIAH_LENGTHS = ("8k", "32k", "128k")
 STRATEGIES = ("verified-quotes", "segment-first", "memagent-reference")

@@ -26,15 +26,11 @@ from operators.engine import Completion, GenerationRequest
 from pipeline.cli.evaluate import (
     QUICK,
     ConsoleListener,
-    check_chunks_fit,
-    evaluate,
-    previous_results,
+    evaluate_with_progress,
     register,
     regrade_run,
     report_run,
     resolve_request,
-    resumed_metadata,
-    run_metadata,
 )
 from pipeline.corpora.cuad import (
     ContractLabel,
@@ -62,6 +58,7 @@ from pipeline.evaluation.report import (
     render_markdown,
     write_outputs,
 )
+from pipeline.evaluation.request import check_chunks_fit, run_metadata
 from pipeline.evaluation.results import (
     EARLIER_SITTINGS_CALLS,
     Configuration,
@@ -70,6 +67,7 @@ from pipeline.evaluation.results import (
     calls_in_sitting,
     summarize,
 )
+from pipeline.evaluation.resuming import previous_results, resumed_metadata
 from pipeline.evaluation.samples import EvalSample, LengthSpec, count_tokens, parse_lengths
 from pipeline.evaluation.suite import (
     NATIVE_LENGTH_LABEL,
@@ -827,7 +825,9 @@ def test_a_tiny_evaluation_runs_end_to_end(  # type: ignore[no-untyped-def]
     checkpoints = EvalCheckpoints.in_folder(output, spec, resume=False)
     try:
         outcome = event_loop_runner.run(
-            evaluate(request, vllm_engine, tokenizer, metadata, console, None, checkpoints)
+            evaluate_with_progress(
+                request, vllm_engine, tokenizer, metadata, console, None, checkpoints
+            )
         )
     finally:
         checkpoints.close()

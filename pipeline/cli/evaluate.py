@@ -5,18 +5,22 @@ every method reads the same samples through it, and every sample of a configurat
 once so the engine batches them. Results are rewritten after each configuration, so a stopped
 run keeps what it finished, and `--resume` runs only the configurations the results lack; the
 chains of one cut short continue from their last step (OUTPUT/checkpoints.sqlite).
+
+This module is the command line: flags into an `EvalRequest`, the engine opened, progress and
+the report on the terminal. The run itself is `pipeline.evaluation`: `request` (the request and
+the metadata it records), `resuming` (when `--resume` may continue a run), `run` (the samples,
+the configurations on an open engine, re-grading).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from connectors.engines.factory import EngineSpec, load_tokenizer, open_checked_engine
 from connectors.engines.models import keep_hub_offline_unless_named
-from operators.config import MethodConfig, check_context_fit, parse_config
-from operators.core.templates import get_template_set
+from operators.config import MethodConfig, parse_config
 from operators.engine import Engine
 from pipeline.cli import terminal
 from pipeline.cli.flags import (
@@ -41,58 +44,30 @@ from pipeline.cli.flags import (
 )
 from pipeline.cli.progress import LineThrottle
 from pipeline.corpora import check_root
-from pipeline.corpora.cuad import load_cuad
 from pipeline.evaluation import corpora
 from pipeline.evaluation.checkpoints import EvalCheckpoints
-from pipeline.evaluation.cuad import build_cuad_samples
-from pipeline.evaluation.execution import EvalMethod, EvalSettings, ProgressHook, parse_methods
-from pipeline.evaluation.haystack import HaystackCorpus, split_passages
-from pipeline.evaluation.hotpotqa import HotpotQABuilder
-from pipeline.evaluation.niah import DEFAULT_DEPTHS, NiahBuilder
-from pipeline.evaluation.regrade import regrade
+from pipeline.evaluation.execution import EvalSettings, ProgressHook, parse_methods
+from pipeline.evaluation.niah import DEFAULT_DEPTHS
 from pipeline.evaluation.report import (
     ACCURACY_PLOT,
     RESULTS_JSON,
-    read_results,
     render_markdown,
     write_accuracy_plot,
     write_outputs,
 )
+from pipeline.evaluation.request import EvalRequest, check_chunks_fit, run_metadata
 from pipeline.evaluation.results import (
     Configuration,
     ConfigurationRun,
     Prediction,
     SkippedConfiguration,
 )
-from pipeline.evaluation.samples import EvalSample, LengthSpec, parse_lengths
-from pipeline.evaluation.sec10q import build_sec10q_samples
-from pipeline.evaluation.sec10q_across import build_sec10q_across_samples
-from pipeline.evaluation.suite import (
-    DEFAULT_TASKS,
-    TASKS,
-    SuiteOutcome,
-    parse_tasks,
-    plan_groups,
-    run_suite,
-)
+from pipeline.evaluation.resuming import previous_results, resumed_metadata
+from pipeline.evaluation.run import evaluate, regrade_results
+from pipeline.evaluation.samples import parse_lengths
+from pipeline.evaluation.suite import DEFAULT_TASKS, TASKS, SuiteOutcome, parse_tasks
 
 DEFAULT_METHODS = "memstream:memagent-reference,memstream:segment-first,direct"
-# Room an update prompt needs besides the chunk and the memory: template, question, chat frame.
-# What must match for a resumed run's predictions to sit in one table with the new ones.
-RESUME_KEYS = (
-    "model", "dtype", "prompt_lookup_tokens", "settings", "samples_per_task_and_length",
-    "niah_depths", "corpora",
-)  # fmt: skip
-# Results written before the dtype was recorded were made in the then hard-coded bfloat16.
-DTYPE_BEFORE_IT_WAS_RECORDED = "bfloat16"
-# The template sets' wording when results began to record it (`TemplateSet.digest`).
-TEMPLATE_DIGESTS_BEFORE_THEY_WERE_RECORDED = {
-    "memstream:memagent-reference": "1b97963bc80d",
-    "memstream:extractive": "a4c75e0082e5",
-    "memstream:append-evidence": "6e1f64c63aff",
-    "memstream:segment-first": "dafe8dfd6368",
-    "memstream:verified-quotes": "52801cb61e2f",
-}
 
 
 @dataclass(frozen=True)
@@ -221,23 +196,6 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-@dataclass(frozen=True)
-class EvalRequest:
-    """Everything `memstream eval` was asked, with the defaults resolved."""
-
-    tasks: list[str]
-    lengths: list[LengthSpec]
-    methods: list[EvalMethod]
-    samples: int
-    depths: tuple[float, ...]
-    settings: EvalSettings
-    time_budget_min: float | None
-    output: Path
-    corpora: Path
-    quick: bool
-    resume: bool = False
-
-
 def resolve_request(args: argparse.Namespace, context_window: int) -> EvalRequest:
     defaults = QUICK if args.quick else FULL
     given = setting_overrides(args, EVAL_METHOD_FLAGS).get("method", {})
@@ -275,93 +233,6 @@ def parse_depths(text: str) -> tuple[float, ...]:
     return depths
 
 
-def check_chunks_fit(request: EvalRequest, tokenizer: Any) -> None:
-    """Each memory method's update prompt and reply fit the engine's context (the samples'
-    questions are short; the check allows for the chat template, not for them)."""
-    settings = request.settings
-    for method in request.methods:
-        if method.template is not None:
-            config = MethodConfig(
-                chunk_size=settings.chunk_size,
-                max_memory_tokens=settings.max_memory_tokens,
-                max_answer_tokens=settings.max_answer_tokens,
-                template=method.template,
-                reread_tokens=method.reread_tokens,
-            )
-            check_context_fit(config, (), tokenizer, settings.context_window)
-
-
-class SampleBuilders:
-    """Builds each task's samples on first use; the texts are tokenized once per run."""
-
-    def __init__(self, request: EvalRequest, tokenizer: Any) -> None:
-        self.request = request
-        self.tokenizer = tokenizer
-        self._texts: dict[str, str] | None = None
-        self._hotpotqa: HotpotQABuilder | None = None
-        self._niah: NiahBuilder | None = None
-
-    def by_task(self) -> dict[str, Callable[[LengthSpec | None], list[EvalSample]]]:
-        return {
-            "hotpotqa": self.hotpotqa,
-            "niah": self.niah,
-            "cuad": self.cuad,
-            "sec10q": self.sec10q,
-            "sec10q-tune": self.sec10q_tune,
-            "sec10q-across": self.sec10q_across,
-        }
-
-    def texts(self) -> dict[str, str]:
-        if self._texts is None:
-            self._texts = corpora.load_texts(self.request.corpora)
-        return self._texts
-
-    def hotpotqa(self, length: LengthSpec | None) -> list[EvalSample]:
-        assert length is not None
-        if self._hotpotqa is None:
-            filler = [
-                passage
-                for name, text in self.texts().items()
-                for passage in split_passages(name, text, self.tokenizer)
-            ]
-            examples = corpora.load_hotpotqa(self.request.corpora)
-            self._hotpotqa = HotpotQABuilder(examples, filler, self.tokenizer)
-        return self._hotpotqa.build(
-            length.tokens, self.request.samples, self.request.settings.seed, length.label
-        )
-
-    def niah(self, length: LengthSpec | None) -> list[EvalSample]:
-        assert length is not None
-        if self._niah is None:
-            self._niah = NiahBuilder(HaystackCorpus(self.texts(), self.tokenizer), self.tokenizer)
-        return self._niah.build(
-            length.tokens,
-            self.request.samples,
-            self.request.settings.seed,
-            length.label,
-            self.request.depths,
-        )
-
-    def cuad(self, _: LengthSpec | None) -> list[EvalSample]:
-        contracts = load_cuad(self.request.corpora)
-        return build_cuad_samples(contracts, self.tokenizer)  # every label, never cut
-
-    def sec10q(self, _: LengthSpec | None) -> list[EvalSample]:
-        return build_sec10q_samples(
-            "sec10q", self.request.corpora, self.tokenizer, self.request.samples
-        )
-
-    def sec10q_tune(self, _: LengthSpec | None) -> list[EvalSample]:
-        return build_sec10q_samples(
-            "sec10q-tune", self.request.corpora, self.tokenizer, self.request.samples
-        )
-
-    def sec10q_across(self, _: LengthSpec | None) -> list[EvalSample]:
-        return build_sec10q_across_samples(
-            self.request.corpora, self.tokenizer, self.request.samples
-        )
-
-
 def run_eval_command(args: argparse.Namespace) -> int:
     check_root(args.corpora)
     if args.regrade:
@@ -396,59 +267,6 @@ def run_eval(request: EvalRequest, spec: EngineSpec) -> int:
     return report_run(request, metadata, outcome, console)
 
 
-def previous_results(
-    request: EvalRequest, metadata: dict[str, Any]
-) -> tuple[dict[str, Any], SuiteOutcome] | None:
-    """The metadata and outcome an earlier run left in the output folder, if it was made the
-    same way."""
-    path = request.output / RESULTS_JSON
-    if not path.exists():
-        return None
-    earlier, outcome = read_results(path)
-    earlier = {"dtype": DTYPE_BEFORE_IT_WAS_RECORDED, "prompt_lookup_tokens": 0, **earlier}
-    differing = [key for key in RESUME_KEYS if earlier.get(key) != metadata[key]]
-    earlier_digests = recorded_template_digests(earlier)
-    reworded = [
-        method
-        for method, digest in metadata["template_digests"].items()
-        if method in earlier.get("methods", []) and earlier_digests.get(method) != digest
-    ]
-    if reworded:
-        differing.append(f"wording of {', '.join(reworded)} (its prompts changed since)")
-    if differing:
-        raise ValueError(
-            f"cannot resume: {path} was made with another {', '.join(differing)}; "
-            "use the same options or another --output"
-        )
-    return earlier, outcome
-
-
-def recorded_template_digests(earlier: dict[str, Any]) -> dict[str, str]:
-    """The wording of each memory strategy an earlier run measured."""
-    digests = earlier.get("template_digests", TEMPLATE_DIGESTS_BEFORE_THEY_WERE_RECORDED)
-    return {method: digests[method] for method in earlier.get("methods", []) if method in digests}
-
-
-def resumed_metadata(earlier: dict[str, Any], metadata: dict[str, Any]) -> dict[str, Any]:
-    """This run's metadata, covering what the earlier runs it continues asked for too."""
-    merged = dict(metadata)
-    for key in ("tasks", "methods"):
-        merged[key] = list(dict.fromkeys([*earlier.get(key, []), *metadata[key]]))
-    merged["template_digests"] = {
-        **recorded_template_digests(earlier),
-        **metadata["template_digests"],
-    }
-    lengths = {
-        length["label"]: length for length in [*earlier.get("lengths", []), *metadata["lengths"]]
-    }
-    merged["lengths"] = sorted(lengths.values(), key=lambda length: length["tokens"])
-    merged["earlier_runs_started_at"] = [
-        *earlier.get("earlier_runs_started_at", []),
-        earlier.get("started_at"),
-    ]
-    return merged
-
-
 async def _open_and_evaluate(
     request: EvalRequest,
     spec: EngineSpec,
@@ -464,7 +282,7 @@ async def _open_and_evaluate(
     checkpoints = EvalCheckpoints.in_folder(request.output, spec, resume=request.resume)
     try:
         async with terminal.interrupted_by_ctrl_c():
-            return await evaluate(
+            return await evaluate_with_progress(
                 request, engine, tokenizer, metadata, console, previous, checkpoints
             )
     finally:
@@ -472,7 +290,7 @@ async def _open_and_evaluate(
         await engine.shutdown()
 
 
-async def evaluate(
+async def evaluate_with_progress(
     request: EvalRequest,
     engine: Engine,
     tokenizer: Any,
@@ -481,29 +299,11 @@ async def evaluate(
     previous: SuiteOutcome | None = None,
     checkpoints: EvalCheckpoints | None = None,
 ) -> SuiteOutcome:
-    """Runs every configuration of `request` not in `previous` on an open engine, showing
-    progress on `console`; results.json and results.md are rewritten after each configuration,
-    and every chain's steps are checkpointed in `checkpoints`."""
-    builders = SampleBuilders(request, tokenizer)
-    groups = plan_groups(request.tasks, request.lengths, builders.by_task())
+    """`evaluate` on an open engine, showing progress on `console`; results.json and results.md
+    are rewritten after each configuration."""
     listener = ConsoleListener(console, request.output, metadata, previous)
-    budget_s = None if request.time_budget_min is None else request.time_budget_min * 60
-    started = time.perf_counter()
-    try:
-        with listener.progress:
-            return await run_suite(
-                engine,
-                tokenizer,
-                groups,
-                request.methods,
-                request.settings,
-                time_budget_s=budget_s,
-                listener=listener,
-                previous=previous,
-                checkpoints=checkpoints,
-            )
-    finally:
-        metadata["elapsed_s"] = round(time.perf_counter() - started, 1)
+    with listener.progress:
+        return await evaluate(request, engine, tokenizer, metadata, listener, previous, checkpoints)
 
 
 def report_run(
@@ -530,57 +330,13 @@ def report_run(
 
 def regrade_run(output: Path, corpora_root: Path) -> int:
     """Re-grades the run in `output` in place (see pipeline.evaluation.regrade)."""
-    metadata, outcome = read_results(output / RESULTS_JSON)
-    lengths = {length["label"]: LengthSpec(**length) for length in metadata["lengths"]}
-    request = EvalRequest(
-        tasks=metadata["tasks"],
-        lengths=list(lengths.values()),
-        methods=[],
-        samples=metadata["samples_per_task_and_length"],
-        depths=tuple(metadata.get("niah_depths", DEFAULT_DEPTHS)),
-        settings=EvalSettings(**metadata["settings"]),
-        time_budget_min=None,
-        output=output,
-        corpora=corpora_root,
-        quick=metadata.get("quick", False),
-    )
-    tokenizer = load_tokenizer(EngineSpec(model=metadata["model"]))
-    builders = SampleBuilders(request, tokenizer).by_task()
-    regraded = regrade(outcome.predictions, lambda task, label: builders[task](lengths.get(label)))
-    outcome = SuiteOutcome(predictions=regraded.predictions, runs=outcome.runs)
-    metadata["regraded_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"
-    )
+    request, metadata, outcome, regraded = regrade_results(output, corpora_root)
     console = terminal.current().console()
     console.print(
         f"re-graded {len(regraded.predictions)} answers in {output}: the grounded flag changed "
         f"for {regraded.grounded_changed}, accuracy for {regraded.accuracy_changed}"
     )
     return report_run(request, metadata, outcome, console)
-
-
-def run_metadata(request: EvalRequest, spec: EngineSpec) -> dict[str, Any]:
-    return {
-        "model": spec.model,
-        "engine": spec.kind,
-        "dtype": spec.dtype,
-        "prompt_lookup_tokens": spec.prompt_lookup_tokens,
-        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "quick": request.quick,
-        "tasks": request.tasks,
-        "lengths": [asdict(length) for length in request.lengths],
-        "methods": [method.name for method in request.methods],
-        "template_digests": {
-            method.name: get_template_set(method.template).digest
-            for method in request.methods
-            if method.template is not None
-        },
-        "samples_per_task_and_length": request.samples,
-        "niah_depths": list(request.depths),
-        "time_budget_min": request.time_budget_min,
-        "settings": asdict(request.settings),
-        "corpora": str(request.corpora),
-    }
 
 
 class _ConfigurationProgress:
