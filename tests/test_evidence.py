@@ -409,6 +409,30 @@ def test_in_a_headed_row_only_the_label_and_the_figures_own_column_name_it():
     assert not find_evidence(question, "$6,800 million", "", segments).grounded
 
 
+@pytest.mark.parametrize("answer", ["March 4, 2021", "3/4/2021", "the 4th day of March, 2021"])
+def test_a_date_is_grounded_where_the_document_prints_it_in_any_spelling(answer: str):
+    grounding = find_evidence(
+        "On what date was this agreement entered into?", answer, "", CONTRACT_SEGMENTS
+    )
+    assert grounding.grounded, grounding.reason
+    assert answer_items(grounding)[0].quote == "March 4, 2021"
+    assert_exact(grounding, CONTRACT)
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        ("the Effective Date", "asks for a date and the answer states none"),
+        ("March 5, 2021", "not printed in the document"),
+    ],
+)
+def test_a_date_question_needs_the_date_printed(answer: str, why: str):
+    grounding = find_evidence(
+        "On what date was this agreement entered into?", answer, "", CONTRACT_SEGMENTS
+    )
+    assert not grounding.grounded and why in grounding.reason
+
+
 def test_an_answer_led_in_by_that_is_located_without_it():
     """ "Therefore, the answer is that ..." leaves "that" before a verbatim source line."""
     log = (

@@ -47,9 +47,16 @@ billion and $11.9 billion") is matched by the general rule and, besides, is grou
 one of its amounts is printed in a record that names the question's key terms.
 
 No answer (None, blank, or the model saying the document does not tell), a yes/no answer and an
-answer without words or numbers are never grounded: there is nothing to locate. In every case the
-evidence also shows where the final memory's most relevant sentences came from (matches="memory",
-fuzzy score at least `min_score`; the initial memory and dropped-lines markers are skipped).
+answer without words or numbers are never grounded: there is nothing to locate.
+
+A question that asks for a date ("On what date does this agreement take effect?") needs a date
+in the answer: "the Effective Date" is not grounded. An answer that states one date is grounded
+by value (`operators.core.dates`): by the general rule, applied to each spelling the document
+prints that date in ("May 16, 2017" where the contract reads "16th day of May, 2017").
+
+In every case the evidence also shows where the final memory's most relevant sentences came
+from (matches="memory", fuzzy score at least `min_score`; the initial memory and dropped-lines
+markers are skipped).
 
 Cost is linear in the text: the segments' lower-cased texts are joined once (lower-casing keeps
 lengths, so offsets stay exact); then there is one C-level regex scan per answer, question term
@@ -75,6 +82,7 @@ from itertools import islice
 from rapidfuzz import fuzz
 
 from operators.core.collection import has_documents, strip_labels
+from operators.core.dates import asks_for_date, date_sites, find_dates
 from operators.core.extraction import STOP_WORDS, normalize_answer
 from operators.core.figures import Figure, find_figures, is_table_row, same_figure
 from operators.core.segmentation import Segment
@@ -263,7 +271,13 @@ def find_evidence(
     words = _words(answer or "")
     terms = _question_terms(question)
     memory = _memory_matches(final_memory, corpus, min_score, words, terms)
-    if (by_figure := _ground_figure(answer or "", question, corpus, max(max_items, 1))) is not None:
+    if (
+        by_date := _ground_date(answer or "", question, terms, corpus, memory, max_items)
+    ) is not None:
+        matches, grounded, reason = by_date
+    elif (
+        by_figure := _ground_figure(answer or "", question, corpus, max(max_items, 1))
+    ) is not None:
         matches, grounded, reason = by_figure
     else:
         matches, grounded, reason = _ground(answer, words, terms, corpus, memory, max(max_items, 1))
@@ -540,6 +554,40 @@ def _ground(
     else:
         why = "and itself covers the question's terms"
     return [c.match for c in good[:max_items]], True, f"The answer appears {how} in {where} {why}."
+
+
+def _ground_date(
+    answer: str,
+    question: str,
+    terms: list[str],
+    corpus: _Corpus,
+    memory: list[_MemoryMatch],
+    max_items: int,
+) -> tuple[list[_Match], bool, str] | None:
+    """The date rule (see the module's docstring); None when the question does not ask for a
+    date, the answer states several, or gives none at all."""
+    if not asks_for_date(question) or not answer.strip() or says_not_in_document(answer):
+        return None
+    stated = set(find_dates(answer))
+    if not stated:
+        return [], False, "The question asks for a date and the answer states none."
+    if len(stated) > 1:
+        return None
+    (date,) = stated
+    spellings = dict.fromkeys(
+        corpus.text[start:end] for start, end, d in date_sites(corpus.text) if d == date
+    )
+    if not spellings:
+        return [], False, f"The answer's date ({date.isoformat()}) is not printed in the document."
+    refusal = None
+    for spelling in spellings:
+        matches, grounded, reason = _ground(
+            spelling, _words(spelling), terms, corpus, memory, max(max_items, 1)
+        )
+        if grounded:
+            return matches, True, f"The answer's date is printed as {spelling!r}. {reason}"
+        refusal = refusal or (matches, grounded, reason)
+    return refusal
 
 
 def _ground_figure(

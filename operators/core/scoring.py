@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Literal
 
+from operators.core.dates import states_date
 from operators.core.extraction import (
     exact_match,
     f1_score,
@@ -27,7 +28,9 @@ from operators.core.figures import states_figure
 # "all": every answer must be given (NIAH multi-value, the parties of a contract).
 # "figure": the answers are spellings of one printed figure ("$39,669 million"), compared as
 # values (operators.core.figures): "$39.7 billion" counts, a bare "8" or a dumped row does not.
-AnswerMode = Literal["any", "all", "figure"]
+# "date": the answers are spellings of one date, compared as dates (operators.core.dates):
+# "3-14-18" counts for 3/14/2018, "the Effective Date" or a second date does not.
+AnswerMode = Literal["any", "all", "figure", "date"]
 
 METRICS = (
     "accuracy",
@@ -56,7 +59,8 @@ def score(
     answers: Sequence[str], mode: AnswerMode, prediction: str | None, raw_response: str | None
 ) -> dict[str, float]:
     """`accuracy` is the headline: sub_em (best reference) for "any", the share of references
-    given (normalized, whole words) for "all", the figure's value for "figure". With several
+    given (normalized, whole words) for "all", the figure's value for "figure", the date for
+    "date". With several
     references EM, sub_em and F1 take the best one; token recall takes the best one for "any"
     and all of them together for "all"; string_match_any/all count the references found
     verbatim in the prediction (RULER's scoring)."""
@@ -84,6 +88,8 @@ def score(
     scores["string_match_all"] = string_match_all(prediction, references)
     if mode == "figure":
         scores["accuracy"] = float(states_figure(prediction, references))
+    elif mode == "date":
+        scores["accuracy"] = float(states_date(prediction, references))
     elif mode == "all":
         scores["accuracy"] = normalized_match_all(prediction, references)
     else:

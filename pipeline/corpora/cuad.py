@@ -1,6 +1,6 @@
 """CUAD contract labels, read from the shared corpora: one natural question per labelled category
 of a contract and its gold answers with how they combine (every party named; a date in any usual
-spelling). `memstream eval` asks them over whole contracts (pipeline.evaluation.cuad);
+spelling, compared as dates). `memstream eval` asks them over whole contracts (pipeline.evaluation.cuad);
 `memstream train --task cuad` trains on them (pipeline.training.contract_fields).
 
 Categories whose answer is only "Yes" or "No" (clause present or not) are left out: they test
@@ -90,7 +90,7 @@ def answers_for(label: ContractLabel) -> tuple[tuple[str, ...], AnswerMode]:
         return party_names(label), "all"
     date = _DATE.fullmatch(label.answer)
     if date:
-        return date_spellings(int(date[1]), int(date[2]), int(date[3])), "any"
+        return date_spellings(int(date[1]), int(date[2]), int(date[3])), "date"
     return (label.answer,), "any"
 
 

@@ -27,7 +27,10 @@ ACCURACY_PLOT = "accuracy_vs_length.png"
 HEADLINE = {
     "hotpotqa": "sub_em",
     "niah": "the share of values given (normalized, whole words)",
-    "cuad": "sub_em; parties: the share given (normalized, whole words)",
+    "cuad": (
+        "sub_em; parties: the share given (normalized, whole words); dates: the date stated, "
+        "in any spelling"
+    ),
     "sec10q": "the figure's value",
     "sec10q-tune": "the figure's value",
     "sec10q-across": "the figure's value",
