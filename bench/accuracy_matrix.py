@@ -185,7 +185,9 @@ def main() -> None:
             rows,
         ),
     ])  # fmt: skip
-    common.write_results("accuracy_matrix", {"settings": settings, "rows": records}, markdown)
+    common.write_results(
+        "accuracy_matrix", {"settings": settings, "rows": records}, markdown, measured_here=False
+    )
 
 
 def _record(cell: Cell | None) -> dict[str, Any] | None:

@@ -119,6 +119,7 @@ async def closed_loop(
 async def in_process_asker(settings: BenchSettings) -> AsyncIterator[Ask]:
     """The project's runner on a VLLMEngine in this process, as `memstream ask` uses it."""
     from connectors.engines.factory import EngineSpec, load_tokenizer, open_engine
+    from operators.core.chain import ChainStatus
     from operators.runner import ChainRunner
     from pipeline.ask import DocumentInput, prepare
 
@@ -132,7 +133,7 @@ async def in_process_asker(settings: BenchSettings) -> AsyncIterator[Ask]:
         text, question = document(index)
         prepared = prepare(DocumentInput(f"doc-{index}", text), [question], tokenizer, method)
         (result,) = await runner.run(prepared.chains)
-        return result.status == "ok"
+        return result.status == ChainStatus.DONE
 
     try:
         yield ask

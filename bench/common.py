@@ -19,7 +19,7 @@ from connectors.engines import models
 from connectors.engines.hardware import DTYPES, detect, resolve_dtype
 from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from operators.config import MethodConfig
-from operators.core.chain import MemoryChain
+from operators.core.chain import ChainStatus, MemoryChain
 from operators.engine import GenerationRequest
 from operators.runner import ChainResult, ChainRunner
 
@@ -64,8 +64,11 @@ def documents_of_lengths(tokenizer: Any, lengths: list[int]) -> list[tuple[str, 
     return documents
 
 
-def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
-    """`name`.json and `name`.md in RESULTS, both dated and naming the machine that ran them."""
+def write_results(
+    name: str, payload: dict[str, Any], markdown: str, *, measured_here: bool = True
+) -> None:
+    """`name`.json and `name`.md in RESULTS, both dated and naming the machine that ran them;
+    a table built from saved runs (`measured_here=False`) names its cells' machines itself."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     machine = detect().describe()
     emulation = {limit: os.environ[limit] for limit in ISA_LIMITS if os.environ.get(limit)}
@@ -73,7 +76,12 @@ def write_results(name: str, payload: dict[str, Any], markdown: str) -> None:
         machine += ", kernels limited by " + " ".join(f"{k}={v}" for k, v in emulation.items())
     date = time.strftime("%Y-%m-%dT%H:%M:%S")
     payload = {"benchmark": name, "date": date, "machine": machine, **payload}
-    markdown = f"{markdown}\n\nMeasured on {machine}, {date.replace('T', ' ')}."
+    when = date.replace("T", " ")
+    if measured_here:
+        markdown = f"{markdown}\n\nMeasured on {machine}, {when}."
+    else:
+        payload = {**payload, "machine": "see each cell"}
+        markdown = f"{markdown}\n\nBuilt from saved runs, {when}."
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown + "\n")
     print(markdown)
@@ -134,7 +142,7 @@ async def timed_run(runner: ChainRunner, chains: Sequence[MemoryChain]) -> dict[
         "seconds": time.perf_counter() - started,
         "model_calls": sum(len(result.trajectory) for result in results),
         "processed_tokens": processed_tokens(results),
-        "failed": sum(result.status != "ok" for result in results),
+        "failed": sum(result.status != ChainStatus.DONE for result in results),
     }
 
 

@@ -67,7 +67,7 @@ from platformdirs import user_cache_dir
 from connectors.engines.hardware import detect
 from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from operators.config import MethodConfig
-from operators.core.chain import MemoryChain
+from operators.core.chain import ChainStatus, MemoryChain
 from operators.engine import GenerationRequest, SamplingConfig
 from operators.runner import ChainRunner
 from pipeline.ask import prepare
@@ -230,7 +230,7 @@ async def run_runner(
         started = time.perf_counter()
         results = await runner.run(chains)
         seconds = time.perf_counter() - started
-    failed = sum(result.status != "ok" for result in results)
+    failed = sum(result.status != ChainStatus.DONE for result in results)
     longest = max(results, key=lambda result: result.n_segments)
     return {
         **figures(seconds, common.processed_tokens(results), meter, failed),

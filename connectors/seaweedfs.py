@@ -108,7 +108,7 @@ class SeaweedFS:
             f"-master.port={ports['master']}",
             f"-master.port.grpc={ports['master.grpc']}",
             "-master.volumeSizeLimitMB=32",
-            # single master, no Raft election: a restart serves again in 2-3 s, not 14-19 s
+            # single master, no Raft election: a restart serves again without waiting for one
             "-master.peers=none",
             f"-volume.port={ports['volume']}",
             f"-volume.port.grpc={ports['volume.grpc']}",

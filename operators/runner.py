@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from operators.core.chain import MemoryChain, StepRecord
+from operators.core.chain import ChainStatus, MemoryChain, StepRecord
 from operators.engine import Engine, GenerationRequest, SamplingConfig
 
 
@@ -26,7 +26,7 @@ from operators.engine import Engine, GenerationRequest, SamplingConfig
 class ChainResult:
     chain_id: str
     question: str
-    status: str  # "ok" or "error"
+    status: ChainStatus  # DONE, or FAILED with `error`
     answer: str | None = None
     raw_response: str | None = None
     final_memory: str = ""
@@ -75,8 +75,10 @@ class ChainRunner:
     async def run_chain(
         self, chain: MemoryChain, on_step: StepCallback | None = None
     ) -> ChainResult:
-        """Runs one chain to its answer. Failures become a result with status "error"."""
-        result = ChainResult(chain.chain_id, chain.question, "ok", n_segments=len(chain.segments))
+        """Runs one chain to its answer. Failures become a result with status FAILED."""
+        result = ChainResult(
+            chain.chain_id, chain.question, ChainStatus.DONE, n_segments=len(chain.segments)
+        )
         started = time.perf_counter()
         async with self._slots.slot(-chain.tokens_left if self.longest_first else 0):
             try:
@@ -98,7 +100,7 @@ class ChainRunner:
                     if on_step is not None and (pending := on_step(chain, record)) is not None:
                         await pending
             except Exception as error:  # one failing chain must not stop the others
-                result.status = "error"
+                result.status = ChainStatus.FAILED
                 result.error = f"{type(error).__name__}: {error}"
         result.final_memory = chain.memory
         result.raw_response = chain.raw_response

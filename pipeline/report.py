@@ -24,6 +24,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from operators.core.chain import ChainStatus
 from operators.core.evidence import says_not_in_document
 
 Row = dict[str, Any]
@@ -223,9 +224,9 @@ def escaped(value: object) -> str:
 
 
 def outcome_of(answer: Row) -> Outcome:
-    if answer["status"] == "failed":
+    if answer["status"] == ChainStatus.FAILED:
         return OUTCOMES["failed"]
-    if answer["status"] != "done":
+    if answer["status"] != ChainStatus.DONE:
         return OUTCOMES["unfinished"]
     text = answer["answer"]
     if text is None or not text.strip():

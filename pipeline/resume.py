@@ -21,9 +21,8 @@ from typing import Any, Protocol
 from connectors.engines.factory import EngineSpec
 from connectors.state.database import StateStoreError
 from connectors.state.records import Checkpoint, StepCheckpoint
-from connectors.state.schema import DONE
 from operators.config import MethodConfig
-from operators.core.chain import ChainConfig, MemoryChain, StepRecord
+from operators.core.chain import ChainConfig, ChainStatus, MemoryChain, StepRecord
 from operators.core.evidence import Grounding, find_evidence
 from operators.core.segmentation import Segment
 from operators.runner import ChainResult, ChainRunner
@@ -76,7 +75,7 @@ class ChainWork:
 
 @dataclass(frozen=True)
 class ChainOutcome:
-    status: str  # "done", "failed", "skipped" (answered earlier) or "stopped" (writes refused)
+    status: ChainStatus  # DONE, FAILED, SKIPPED (answered earlier) or STOPPED (writes refused)
     start_step: int = 0
     result: ChainResult | None = None
     error: str | None = None
@@ -100,10 +99,10 @@ async def resume_chain(
     call: StoreCall = in_store or asyncio.to_thread
     try:
         checkpoint = await call(checkpoints.load_checkpoint, work.chain_key)
-        if checkpoint is not None and checkpoint.status == DONE:
+        if checkpoint is not None and checkpoint.status == ChainStatus.DONE:
             if not checkpoint.has_evidence and work.segments is not None:
                 await _ground(work, checkpoint.answer, checkpoint.memory, checkpoints, call)
-            return ChainOutcome("skipped", checkpoint.step)
+            return ChainOutcome(ChainStatus.SKIPPED, checkpoint.step)
         if work.segments is None:
             raise RuntimeError("the document was planned as answered; run the job again")
         if (checkpoint is None or checkpoint.step == 0) and work.memory_from is not None:
@@ -121,7 +120,7 @@ async def resume_chain(
         )
         chain_runner = await runner()  # may start the engine: the chain waits, not running
         if not await call(checkpoints.mark_running, work.chain_key):
-            return ChainOutcome("stopped", start_step)
+            return ChainOutcome(ChainStatus.STOPPED, start_step)
 
         refused = False
         store_failure: StateStoreError | None = None
@@ -152,14 +151,14 @@ async def resume_chain(
         logger.exception("chain %s failed", work.chain_key)
         message = f"{type(error).__name__}: {error}"
         await _record_failure(work.chain_key, message, checkpoints, call)
-        return ChainOutcome("failed", error=message)
+        return ChainOutcome(ChainStatus.FAILED, error=message)
     if refused:
-        return ChainOutcome("stopped", start_step, result)
-    if result.status != "ok":
+        return ChainOutcome(ChainStatus.STOPPED, start_step, result)
+    if result.status != ChainStatus.DONE:
         error_message = result.error or "unknown error"
         await _record_failure(work.chain_key, error_message, checkpoints, call)
-        return ChainOutcome("failed", start_step, result, error_message)
-    return ChainOutcome("done", start_step, result)
+        return ChainOutcome(ChainStatus.FAILED, start_step, result, error_message)
+    return ChainOutcome(ChainStatus.DONE, start_step, result)
 
 
 async def _ground(

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from operators.config import ConfigError, DocumentLimits, MethodConfig, check_context_fit
+from operators.core.chain import ChainStatus
 from operators.engine import Engine
 from operators.runner import ChainResult, ChainRunner, StepCallback
 from pipeline.ask import DocumentInput, PreparedDocument, prepare
@@ -81,7 +82,7 @@ def document_info(loaded: LoadedDocument, prepared: PreparedDocument) -> Documen
 def answer_of(result: ChainResult) -> dict[str, Any]:
     return {
         "question": result.question,
-        "status": result.status,
+        "status": result.status.answer_status,
         "answer": result.answer,
         "raw_response": result.raw_response,
         "final_memory": result.final_memory,
@@ -130,7 +131,7 @@ class SyncAnswerer:
             for result, grounding in zip(results, groundings, strict=True)
         ]
         return AnswerResponse(
-            status="succeeded" if all(a["status"] == "ok" for a in answers) else "failed",
+            status="succeeded" if all(r.status == ChainStatus.DONE for r in results) else "failed",
             model=self.model,
             document=document_info(loaded, prepared),
             answers=[Answer(**answer) for answer in answers],

@@ -38,8 +38,8 @@ from serving.config import ServerConfig, ServingConfig, load_config
 from serving.security import ApiKeys, api_keys_of
 
 EXIT_START_FAILED = 1
-# Between SIGTERM and SIGKILL for what a private Ray instance leaves. Ray gives its own processes
-# 1 s; its agents and workers whose raylet is gone were all still there 5 s after a SIGTERM.
+# Between SIGTERM and SIGKILL for what a private Ray instance leaves: its agents and workers
+# whose raylet is gone outlive a SIGTERM, so waiting longer gains nothing.
 RAY_LEFTOVERS_GRACE_S = 2.0
 # The settings a flag can give over the config file; the file gives the other sections.
 SERVER_FLAGS = setting_flags(ServerConfig, "server")

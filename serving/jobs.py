@@ -23,6 +23,7 @@ from connectors.state.records import ChainState, Checkpoint, JobInput, StepCheck
 from connectors.state.schema import FAILED, SUCCEEDED
 from connectors.state.store import StateStore
 from operators.config import MethodConfig, TemplateChanged
+from operators.core.chain import ChainStatus
 from operators.core.evidence import Grounding
 from operators.engine import Completion, Engine, GenerationRequest
 from operators.runner import ChainRunner
@@ -183,7 +184,7 @@ class JobRun:
         async def the_runner() -> ChainRunner:
             return runner
 
-        to_run = [state for state in states if state.status != "error"]  # failed: final
+        to_run = [state for state in states if state.status != ChainStatus.FAILED]  # final
         outcomes = await asyncio.gather(
             *(
                 resume_chain(
@@ -196,18 +197,18 @@ class JobRun:
                 for state in to_run
             )
         )
-        if any(outcome.status == "stopped" for outcome in outcomes):
+        if any(outcome.status == ChainStatus.STOPPED for outcome in outcomes):
             return  # the lease is gone (cancelled, or taken over): the job is not ours to end
         if engine.unavailable is not None:
             # Not the job's fault: keep it unfinished. Its lease runs out and a replica (this
             # one, or another once the engine is back) resumes it from the last checkpoint.
             logger.warning("job %s interrupted: %s", job.job_id, engine.unavailable)
             return
-        errors = [f"{s.question!r}: {s.error}" for s in states if s.status == "error"]
+        errors = [f"{s.question!r}: {s.error}" for s in states if s.status == ChainStatus.FAILED]
         for state, outcome in zip(to_run, outcomes, strict=True):
             if outcome.result is not None:
-                self.worker.metrics.observe_answer("job", outcome.result.status)
-            if outcome.status == "failed":
+                self.worker.metrics.observe_answer("job", outcome.result.status.answer_status)
+            if outcome.status == ChainStatus.FAILED:
                 errors.append(f"{state.question!r}: {outcome.error}")
         status, error = (FAILED, "; ".join(errors)) if errors else (SUCCEEDED, None)
         await asyncio.to_thread(self.store.finish_job, job.job_id, self.owner, status, error)

@@ -6,10 +6,8 @@ from typing import Any
 
 from connectors.results import utc_timestamp
 from connectors.state.records import JobState
+from operators.core.chain import ChainStatus
 from pipeline.report import RunData, render_report
-
-# A chain's status in the API ("ok", "error", "pending") as the run tables say it.
-RUN_STATUS = {"ok": "done", "error": "failed", "pending": "running"}
 
 
 def job_report(job: JobState, trajectory: list[dict[str, Any]], model: str) -> str:
@@ -21,7 +19,8 @@ def job_report(job: JobState, trajectory: list[dict[str, Any]], model: str) -> s
             "name": job.name,
             "source_uri": job.source,
             "question_id": f"q{state.chain_index}",
-            "status": RUN_STATUS[state.status],
+            # as the run tables say it: an unfinished chain is running
+            "status": (state.status if state.done else ChainStatus.RUNNING).value,
             "n_tokens": document.get("n_tokens"),
             "model": model,
             "template": job.method.get("template"),

@@ -152,6 +152,7 @@ def test_a_hub_id_that_cannot_load_says_whether_the_environment_keeps_the_hub_of
     assert "HF_HUB_OFFLINE" not in os.environ
     models.keep_hub_offline_unless_named(["ask", "a.txt", f"--model={tmp_path}"])
     assert os.environ.pop("HF_HUB_OFFLINE") == "1"
+    os.environ.pop(models.OFFLINE_BY_MEMSTREAM_ENV)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     assert main.main(["report", str(tmp_path / "no-run")]) == 2
     assert os.environ["HF_HUB_OFFLINE"] == "0"  # the environment's choice stands
@@ -163,12 +164,98 @@ def test_a_hub_id_that_cannot_load_says_whether_the_environment_keeps_the_hub_of
     assert "(HF_HUB_OFFLINE is not set): We couldn't connect" in str(online)
 
 
+def test_memstream_keeps_the_hub_offline_only_where_no_hub_id_is_named_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from connectors.engines import models
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv(models.OFFLINE_BY_MEMSTREAM_ENV, raising=False)
+    job = tmp_path / "job.yaml"
+    job.write_text("engine:\n  model: SomeOrg/SomeModel\n")
+    packaged_job = tmp_path / "packaged.yaml"
+    packaged_job.write_text(f"engine:\n  model: {TEST_MODEL}\n")
+    for named in (["run", str(job)], ["ask", "a.txt", "--tokenizer", "SomeOrg/SomeTokenizer"]):
+        models.keep_hub_offline_unless_named(named)
+        assert "HF_HUB_OFFLINE" not in os.environ, named  # a hub id: the environment's choice
+    for unnamed in (["run", str(packaged_job)], ["run", str(tmp_path / "missing.yaml")]):
+        models.keep_hub_offline_unless_named(unnamed)
+        assert os.environ.pop("HF_HUB_OFFLINE") == "1", unnamed
+        assert os.environ.pop(models.OFFLINE_BY_MEMSTREAM_ENV) == "1", unnamed
+    # Offline by memstream's choice, a hub id it did not see says so; not "the environment".
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv(models.OFFLINE_BY_MEMSTREAM_ENV, "1")
+    message = str(models.hub_error("SomeOrg/SomeModel", OSError("not cached")))
+    assert "memstream kept the hub offline" in message and "environment" not in message
+
+
+@pytest.mark.parametrize(
+    ("error", "shown"),
+    [
+        ("ConfigError", "memstream: error: for the user"),
+        ("TemplateChanged", "memstream: error: for the user"),
+        ("JobError", "memstream: error: for the user"),
+        ("NotARunFolder", "memstream: error: for the user"),
+        ("ParseError", "memstream: error: for the user"),
+        (
+            "ValueError",
+            "memstream: error: ValueError: for the user (set MEMSTREAM_DEBUG=1 to see the "
+            "traceback)",
+        ),
+    ],
+)
+def test_a_bare_value_error_is_a_bug_and_errors_meant_for_users_are_one_plain_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: str, shown: str
+) -> None:
+    from operators.config import ConfigError, TemplateChanged
+    from operators.parsing import ParseError
+    from pipeline.cli import main, report
+    from pipeline.job import JobError
+    from pipeline.report import NotARunFolder
+
+    kinds = {kind.__name__: kind for kind in (ConfigError, TemplateChanged, JobError,
+             NotARunFolder, ParseError, ValueError)}  # fmt: skip
+
+    def fail(args: object) -> int:
+        raise kinds[error]("for the user")
+
+    monkeypatch.setattr(report, "run_report_command", fail)
+    monkeypatch.delenv("MEMSTREAM_DEBUG", raising=False)
+    assert main.main(["report", "somewhere"]) == 2
+    assert capsys.readouterr().err.strip() == shown
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("MEMSTREAM_GPU_MEMORY_UTILIZATION", "7", "MEMSTREAM_GPU_MEMORY_UTILIZATION='7': must be"),
+        ("MEMSTREAM_DTYPE", "float64", "MEMSTREAM_DTYPE='float64': must be one of auto"),
+    ],
+)
+def test_a_bad_environment_setting_fails_in_one_plain_line(
+    tmp_path: Path, name: str, value: str, message: str
+) -> None:
+    """The GPU share is read for a flag's default, before the command runs."""
+    (tmp_path / "a.txt").write_text("Some text.")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", name: value}
+    result = memstream("ask", str(tmp_path / "a.txt"), "-q", "What?", env=env, timeout=60)
+    assert result.returncode == 2
+    assert_one_clear_line(result, f"memstream: error: {message}")
+    assert "MEMSTREAM_DEBUG" not in result.stderr
+
+
 @pytest.mark.parametrize(
     ("command", "message"),
     [
         (["eval", "--corpora", "{tmp}/missing"], "shared corpora not found at {tmp}/missing"),
         (["train", "--answers", "{tmp}/missing.jsonl", "--output", "{tmp}/run"], "no such file"),
         (["train", "--output", "{tmp}/a-file"], "--output {tmp}/a-file is a file"),
+        (["train", "--answers", "{tmp}/a-file", "--output", "{tmp}/run"], "{tmp}/a-file:1: not"),
+        (["train", "--answers", "{tmp}/rows.jsonl", "--output", "{tmp}/run"], "1: missing answers"),
+        (
+            ["ask", "{tmp}/a-file", "-q", "Q?", "--engine", "openai", "--base-url", "ftp://h"],
+            "command line: base_url must start with http:// or https://, got 'ftp://h'",
+        ),
         (["demo", "--scale", "0"], "--scale: must be a positive number, got 0"),
         (["demo", "--scale", "-0.5"], "--scale: must be a positive number, got -0.5"),
         (["demo", "--output", "{tmp}/a-file"], "the output {tmp}/a-file is a file"),
@@ -180,6 +267,7 @@ def test_arguments_are_checked_before_a_model_loads(
     tmp_path: Path, command: list[str], message: str
 ) -> None:
     (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "rows.jsonl").write_text('{"document": "d", "question": "q"}\n')
     with socket.socket() as s:  # an engine that cannot start: a run that gets to it fails there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -190,6 +278,7 @@ def test_arguments_are_checked_before_a_model_loads(
     assert result.returncode == 2
     assert_one_clear_line(result, message.format(tmp=tmp_path))
     assert "logs" not in result.stderr
+    assert "Loading weights" not in result.stderr  # no model was loaded first
 
 
 def test_every_flag_of_the_commands_a_user_meets_has_help_and_shows_its_default() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from connectors.engines.vllm_local import chat_prompt_ids
-from operators.core.chain import ChainConfig, MemoryChain, StepKind
+from operators.core.chain import ChainConfig, ChainStatus, MemoryChain, StepKind
 from operators.core.extraction import (
     exact_match,
     extract_answer,
@@ -209,6 +209,19 @@ def test_chain_overwrites_memory_then_answers_from_memory_alone() -> None:
     assert chain.memory == "memory two"
     with pytest.raises(RuntimeError):
         chain.submit("again")
+
+
+def test_chain_statuses_are_the_words_the_store_and_the_outputs_keep() -> None:
+    """No migration: the values are the strings the state store and the Parquet outputs held
+    before the enum; the API's answer status is derived from them."""
+    assert [status.value for status in ChainStatus] == [
+        "pending", "running", "done", "failed", "skipped", "stopped",
+    ]  # fmt: skip
+    assert f"{ChainStatus.DONE}" == str(ChainStatus.DONE) == "done" == ChainStatus.DONE
+    assert {"done": 1}[ChainStatus.DONE] == 1
+    assert [status.answer_status for status in ChainStatus] == [
+        "pending", "pending", "ok", "error", "ok", "pending",
+    ]  # fmt: skip
 
 
 def test_think_handling_keeps_text_after_the_last_close_tag() -> None:

@@ -23,6 +23,7 @@ from connectors.engines.openai_http import OpenAIEngine, OpenAIEngineConfig
 from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from connectors.processes import ServerNotReady, ServerProcess, free_port, http_ok
 from operators.config import MethodConfig
+from operators.core.chain import ChainStatus
 from operators.engine import (
     Completion,
     EngineError,
@@ -180,7 +181,7 @@ def test_runner_drives_chains_of_different_lengths_together(  # type: ignore[no-
     assert [r.n_segments for r in short_results] == [1, 1]
     # Each chain made one call per segment plus the final one, in order.
     for result in [long_result, *short_results]:
-        assert result.status == "ok", result.error
+        assert result.status == ChainStatus.DONE, result.error
         assert [r.step for r in result.trajectory] == list(range(result.n_segments + 1))
         assert result.trajectory[-1].kind == "final"
         assert result.trajectory[-2].output == result.final_memory

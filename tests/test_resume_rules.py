@@ -28,6 +28,7 @@ from connectors.state.records import Checkpoint, NewJob
 from connectors.state.schema import groundings, steps
 from connectors.state.store import StateStore
 from operators.config import MethodConfig
+from operators.core.chain import ChainStatus
 from operators.core.document import Document, documents_table
 from operators.core.templates import INITIAL_MEMORY, TEMPLATE_SETS, get_template_set
 from operators.engine import GenerationRequest
@@ -60,7 +61,9 @@ def memory_after(updates: int) -> str | None:
     return "\n".join(LINES[:updates]) if updates else None
 
 
-ANSWERED = Checkpoint("done", N_STEPS, memory_after(len(FACTS)), ANSWER, has_evidence=True)
+ANSWERED = Checkpoint(
+    ChainStatus.DONE, N_STEPS, memory_after(len(FACTS)), ANSWER, has_evidence=True
+)
 
 
 def prompt_memory(request: GenerationRequest) -> str | None:
@@ -172,7 +175,9 @@ def test_a_chain_killed_in_step_k_resumes_at_step_k_with_the_memory_checkpointed
     key = corpus.chain_key(QUESTION)
     with pytest.raises(EngineCrash):
         corpus.attempt(crash_on(crash_on_call))
-    assert corpus.store.load_checkpoint(key) == Checkpoint("running", done, memory_after(done))
+    assert corpus.store.load_checkpoint(key) == Checkpoint(
+        ChainStatus.RUNNING, done, memory_after(done)
+    )
     before = steps_written(corpus.store_url)
     assert sorted(before) == [(key, step) for step in range(done)]
 
@@ -242,7 +247,7 @@ def test_an_answered_chain_is_skipped_while_its_unfinished_sibling_resumes(
     checkpoints = {key: corpus.store.load_checkpoint(key) for key in keys}
     answered = next(key for key in keys if checkpoints[key] == ANSWERED)
     (unfinished,) = set(keys) - {answered}
-    assert checkpoints[unfinished] == Checkpoint("running", 1, memory_after(1))
+    assert checkpoints[unfinished] == Checkpoint(ChainStatus.RUNNING, 1, memory_after(1))
     before = steps_written(corpus.store_url)
 
     engine = FactEngine()
@@ -283,7 +288,7 @@ def test_a_failed_chain_is_retried_from_its_checkpoint_on_the_next_attempt(
     key = corpus.chain_key(QUESTION)
     (failed,) = corpus.attempt(FactEngine(fail_on_call=3))
     assert failed["status"] == "failed" and failed["error"].startswith("EngineError: ")
-    assert corpus.store.load_checkpoint(key) == Checkpoint("failed", 2, memory_after(2))
+    assert corpus.store.load_checkpoint(key) == Checkpoint(ChainStatus.FAILED, 2, memory_after(2))
     (answer,) = corpus.store.answers(RUN_ID, 1)
     assert answer["status"] == "failed" and answer["error"].startswith("EngineError: ")
     before = steps_written(corpus.store_url)
@@ -371,8 +376,9 @@ def test_a_job_whose_replica_died_in_step_k_resumes_there_on_another_replica(
     stopped = job_store.get_job(job_id)
     assert stopped is not None and stopped.status == "running"
     assert [(c.step, c.memory, c.status) for c in stopped.chains] == [
-        (done, memory_after(done), "pending")
+        (done, memory_after(done), ChainStatus.RUNNING if done else ChainStatus.PENDING)
     ]
+    assert stopped.chains[0].answer_record()["status"] == "pending"  # as the API shows it
     before = steps_written(jobs_url)
 
     other = Replica(job_store, FactEngine())
@@ -434,7 +440,10 @@ def test_an_unavailable_engine_leaves_the_job_to_resume_and_answered_chains_are_
     first.run(job_id)
     job = job_store.get_job(job_id)
     assert job is not None and job.status == "running"  # not finished: not the job's fault
-    assert [(c.status, c.step) for c in job.chains] == [("ok", N_STEPS), ("pending", N_STEPS - 1)]
+    assert [(c.status, c.step) for c in job.chains] == [
+        (ChainStatus.DONE, N_STEPS),
+        (ChainStatus.RUNNING, N_STEPS - 1),
+    ]
     before = steps_written(jobs_url)
 
     second = Replica(job_store, FactEngine())
@@ -444,7 +453,10 @@ def test_an_unavailable_engine_leaves_the_job_to_resume_and_answered_chains_are_
     assert prompt_memory(second.engine.requests[0]) == memory_after(len(FACTS))
     job = job_store.get_job(job_id)
     assert job is not None and job.status == "succeeded"
-    assert [(c.status, c.answer) for c in job.chains] == [("ok", ANSWER), ("ok", ANSWER)]
+    assert [(c.status, c.answer) for c in job.chains] == [
+        (ChainStatus.DONE, ANSWER),
+        (ChainStatus.DONE, ANSWER),
+    ]
     assert_one_row_per_step(jobs_url, keys, before)
     assert end_events(job_store, job_id) == ["succeeded"]
 
@@ -459,7 +471,8 @@ def test_a_chain_that_fails_by_itself_fails_its_job_for_good(
     job = job_store.get_job(job_id)
     assert job is not None and job.status == "failed" and job.finished
     assert job.error is not None and "EngineError" in job.error
-    assert [(c.status, c.step) for c in job.chains] == [("error", 2)]
+    assert [(c.status, c.step) for c in job.chains] == [(ChainStatus.FAILED, 2)]
+    assert job.chains[0].answer_record()["status"] == "error"  # as the API shows it
     assert Replica(job_store, FactEngine()).claim(lease_s=-1) == []
     assert sorted(steps_written(jobs_url)) == [
         (job_chain_key(job_id, 0), 0),

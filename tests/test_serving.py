@@ -40,7 +40,7 @@ from connectors.state.jobs import JobConflict, job_chain_key
 from connectors.state.records import NewJob, StepCheckpoint
 from connectors.state.store import StateStore
 from operators.config import ConfigError, MethodConfig
-from operators.core.chain import StepRecord
+from operators.core.chain import ChainStatus, StepRecord
 from operators.core.evidence import Evidence, Grounding
 from serving.answering import DocumentPreparer, SyncAnswerer
 from serving.api import ApiServices, KeyCheck, build_api
@@ -316,7 +316,8 @@ def test_job_store_leases_checkpoints_and_events(
     resumed = store.load_job_input(job_id)
     assert resumed is not None and resumed.text == "hello" and resumed.data is None
     assert (resumed.chains[0].step, resumed.chains[0].memory) == (1, "memory one")
-    assert (resumed.chains[0].prompt_tokens, resumed.chains[0].status) == (10, "pending")
+    assert (resumed.chains[0].prompt_tokens, resumed.chains[0].status) == (10, ChainStatus.RUNNING)
+    assert resumed.chains[0].answer_record()["status"] == "pending"  # as the API shows it
     assert resumed.chains[1].step == 0
     assert store.renew_leases("replica-2", [job_id], 30) == {job_id}
     assert store.cancel_job(job_id)

@@ -24,18 +24,11 @@ from operators.config import DEFAULT_MODEL
 from operators.core.settings import Flag
 from operators.engine import Engine
 
-# Below this many document tokens to read, an engine starts in eager mode. On an AVX2-only EPYC
-# (SmolLM2-135M, float32, bench/prefill_decode.py --modes eager,compiled) torch.compile added
-# 100 s of start-up (131 s against 31 s) for 0-7% faster steps (5K-token prefill 221 against 206
-# tokens/s, decode 124 against 118, 1K-token prefill slower: 357 against 404): it repays its
-# start-up only after some 2,000 s of eager work, about half a million tokens at best. 2M leaves
-# room for the noise in those few percent.
+# Below this many planned document tokens an engine starts eager, where torch.compile's start-up
+# would not pay for itself: bench/results/prefill_decode-smollm2-135m-instruct.md chose it.
 COMPILE_PAYS_OFF_TOKENS = 2_000_000
-# Prompt lookup (n-gram speculative decoding) for at most this many chains at once, in a 16-bit
-# dtype. A memory update copies much of its prompt, so on an Intel Xeon with AMX in bfloat16 a
-# lone chain ran faster with it and the 6-chain demo answered 15% sooner; in float32 under AVX2
-# emulation the demo answered 18% later (checking proposals costs compute that CPU lacks), and
-# a full engine ran slower in bfloat16 too. Figures: docs/performance.md (bench/prompt_lookup.py).
+# Prompt lookup for at most this many chains at once, in a 16-bit dtype, proposing this many
+# tokens a step: bench/results/prompt_lookup-bfloat16.md and prompt_lookup-float32-alone.md.
 PROMPT_LOOKUP_MAX_CHAINS = 8
 PROMPT_LOOKUP_TOKENS = 4
 # Ray starts its workers at nice 15, below its own daemons and the driver. In a Ray actor that
@@ -152,6 +145,8 @@ class EngineSpec:
             raise ValueError(f"prompt_lookup_tokens must be 0 or more: {self.prompt_lookup_tokens}")
         if self.kind == "openai" and not self.base_url:
             raise ValueError("the openai engine needs a base URL (--base-url http://host:port/v1)")
+        if self.kind == "openai" and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
 
     def answer_settings(self) -> dict[str, Any]:
         """The engine settings besides the model that change a greedy answer: part of a run's

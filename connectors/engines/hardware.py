@@ -1,10 +1,10 @@
 """What this machine computes fast: its CPU features and GPUs, and the dtype `auto` picks for them.
 
 vLLM's CPU platform reports bfloat16 as supported on every x86 CPU, but only CPUs with
-`avx512_bf16` or AMX have native bf16 kernels; elsewhere bf16 is emulated. On an AVX2-only AMD
-EPYC, Qwen2.5-Coder-0.5B prefilled 24 tokens/s in bfloat16 against 134 in float32. So `auto`
-chooses by the hardware: bfloat16 where it is native, float32 on other CPUs, float16 on GPUs
-older than compute capability 8.0.
+`avx512_bf16` or AMX have native bf16 kernels; elsewhere bf16 is emulated, and slower than float32
+(bench/results/prefill_decode-smollm2-135m-instruct.md). So `auto` chooses by the hardware:
+bfloat16 where it is native, float32 on other CPUs, float16 on GPUs older than compute
+capability 8.0.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, get_args
+
+from operators.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ def resolve_dtype(
     if requested == "auto":
         requested = environ.get(DTYPE_ENV, "").strip() or "auto"
         if requested not in DTYPES:
-            raise ValueError(f"{DTYPE_ENV}={requested!r}: must be one of {', '.join(DTYPES)}")
+            raise ConfigError(f"{DTYPE_ENV}={requested!r}: must be one of {', '.join(DTYPES)}")
     if requested not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {requested!r}")
     hardware = hardware or detect()
@@ -165,7 +167,7 @@ def default_gpu_memory_utilization(environ: Mapping[str, str] = os.environ) -> f
     except ValueError:
         share = 0.0
     if not 0 < share <= 1:
-        raise ValueError(f"{GPU_MEMORY_ENV}={raw!r}: must be a share of the GPU in (0, 1]")
+        raise ConfigError(f"{GPU_MEMORY_ENV}={raw!r}: must be a share of the GPU in (0, 1]")
     return share
 
 

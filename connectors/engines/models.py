@@ -196,28 +196,62 @@ def is_hub_id(spec: str) -> bool:
     )
 
 
+# Set beside HF_HUB_OFFLINE=1 when memstream set it, not the environment.
+OFFLINE_BY_MEMSTREAM_ENV = "MEMSTREAM_SET_HF_HUB_OFFLINE"
+
+
 def keep_hub_offline_unless_named(argv: Sequence[str]) -> None:
-    """Sets HF_HUB_OFFLINE=1 unless the environment sets it or `--model` names a hub id. A
-    packaged model or a local folder needs no hub, yet the libraries would still ask it, which
-    costs minutes where it cannot be reached; a hub id leaves the choice to the environment."""
-    model = next(
-        (
-            value.split("=", 1)[1] if "=" in value else argv[index + 1]
-            for index, value in enumerate(argv)
-            if value.split("=", 1)[0] == "--model" and ("=" in value or index + 1 < len(argv))
-        ),
-        None,
-    )
-    if model is None or not is_hub_id(model):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """Sets HF_HUB_OFFLINE=1 unless the environment sets it or the command names a hub id: as
+    `--model` or `--tokenizer`, or as `engine.model` or `engine.tokenizer` of a YAML file it
+    names (a job, a serving config). A packaged model or a local folder needs no hub, yet the
+    libraries would still ask it, which costs minutes where it cannot be reached; a hub id leaves
+    the choice to the environment."""
+    if "HF_HUB_OFFLINE" in os.environ:
+        return
+    if any(is_hub_id(name) for name in _models_named(argv)):
+        return
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ[OFFLINE_BY_MEMSTREAM_ENV] = "1"
+
+
+def _models_named(argv: Sequence[str]) -> list[str]:
+    names = []
+    for index, value in enumerate(argv):
+        flag, inline, given = value.partition("=")
+        if flag in ("--model", "--tokenizer"):
+            if inline:
+                names.append(given)
+            elif index + 1 < len(argv):
+                names.append(argv[index + 1])
+        elif value.endswith((".yaml", ".yml")):
+            names.extend(_engine_models_in(Path(value)))
+    return names
+
+
+def _engine_models_in(path: Path) -> list[str]:
+    """`engine.model` and `engine.tokenizer` of a YAML file; none where it cannot be read (the
+    command says what is wrong with it)."""
+    import yaml
+
+    try:
+        engine = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("engine") or {}
+        return [str(engine[key]) for key in ("model", "tokenizer") if engine.get(key)]
+    except Exception:
+        return []
 
 
 def hub_error(model_id: str, error: Exception) -> ModelError:
-    """Why a hub id did not load, saying whether the environment keeps the hub offline: that
-    is the environment's choice (HF_HUB_OFFLINE), and it decides whether the hub was asked."""
+    """Why a hub id did not load, saying who keeps the hub offline: the environment
+    (HF_HUB_OFFLINE, its choice), or memstream, for a hub id the command line does not name."""
     from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip()
+    if offline.upper() in ENV_VARS_TRUE_VALUES and os.environ.get(OFFLINE_BY_MEMSTREAM_ENV):
+        return ModelError(
+            f"cannot load {model_id}: it is not in the Hugging Face cache, and memstream kept the "
+            "hub offline because the command names no hub model; name it with --model or "
+            "--tokenizer, or set HF_HUB_OFFLINE=0"
+        )
     if offline.upper() in ENV_VARS_TRUE_VALUES:
         return ModelError(
             f"cannot load {model_id}: HF_HUB_OFFLINE={offline} is set in the environment, so "

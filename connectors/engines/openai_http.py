@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from operators.config import ConfigError
 from operators.engine import Completion, EngineError, EngineUnhealthy, GenerationRequest
 
 HEALTH_CHECK_TIMEOUT_S = 1.5
@@ -32,7 +33,9 @@ class OpenAIEngineConfig:
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+            raise ConfigError(
+                f"base_url must start with http:// or https://, got {self.base_url!r}"
+            )
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {self.max_concurrency}")
         if self.timeout_s <= 0 or self.max_retries < 0:

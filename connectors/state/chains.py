@@ -18,16 +18,8 @@ from sqlalchemy.engine import Connection
 
 from connectors.state.database import Database, reconnecting, upsert
 from connectors.state.records import Checkpoint, StepCheckpoint
-from connectors.state.schema import (
-    DONE,
-    FAILED,
-    PENDING,
-    RUNNING,
-    chains,
-    groundings,
-    rejected_quotes,
-    steps,
-)
+from connectors.state.schema import chains, groundings, rejected_quotes, steps
+from operators.core.chain import ChainStatus
 from operators.core.document import PlannedChain
 from operators.core.evidence import Grounding
 
@@ -52,7 +44,9 @@ class ChainStore(Database):
             row = connection.execute(query).first()
         if row is None:
             return None
-        return Checkpoint(row.status, row.step, row.memory, row.answer, bool(row.has_evidence))
+        return Checkpoint(
+            ChainStatus(row.status), row.step, row.memory, row.answer, bool(row.has_evidence)
+        )
 
     @reconnecting
     def mark_running(self, chain_key: str) -> bool:
@@ -62,7 +56,7 @@ class ChainStore(Database):
                 update(chains)
                 .where(chains.c.chain_key == chain_key)
                 .values(
-                    status=RUNNING,
+                    status=ChainStatus.RUNNING.value,
                     error=None,
                     updated_at=now,
                     started_at=func.coalesce(chains.c.started_at, now),
@@ -108,7 +102,7 @@ def pending_chain_row(
         "source_uri": source_uri,
         "question_id": chain.question_id,
         "question": chain.question,
-        "status": PENDING,
+        "status": ChainStatus.PENDING.value,
         "step": 0,
         "n_segments": n_segments,
         "n_tokens": n_tokens,
@@ -134,7 +128,7 @@ def write_step(connection: Connection, checkpoint: StepCheckpoint) -> None:
     chain_values: dict[str, Any] = {
         "step": checkpoint.next_step,
         "memory": checkpoint.memory,
-        "status": DONE if checkpoint.done else RUNNING,
+        "status": (ChainStatus.DONE if checkpoint.done else ChainStatus.RUNNING).value,
         "updated_at": now,
         "prompt_tokens": select(func.sum(steps.c.prompt_tokens)).where(of_chain).scalar_subquery(),
         "completion_tokens": select(func.sum(steps.c.completion_tokens))
@@ -184,6 +178,6 @@ def write_failure(connection: Connection, chain_key: str, error: str) -> None:
     now = time.time()
     connection.execute(
         update(chains)
-        .where(and_(chains.c.chain_key == chain_key, chains.c.status != DONE))
-        .values(status=FAILED, error=error, updated_at=now, finished_at=now)
+        .where(and_(chains.c.chain_key == chain_key, chains.c.status != ChainStatus.DONE.value))
+        .values(status=ChainStatus.FAILED.value, error=error, updated_at=now, finished_at=now)
     )

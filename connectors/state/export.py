@@ -13,7 +13,6 @@ from connectors.state.database import Database, reconnecting
 from connectors.state.records import RunProgress
 from connectors.state.runs import of_attempt
 from connectors.state.schema import (
-    DONE,
     chains,
     documents,
     errors,
@@ -22,6 +21,7 @@ from connectors.state.schema import (
     run_chains,
     steps,
 )
+from operators.core.chain import ChainStatus
 
 
 class ExportStore(Database):
@@ -187,7 +187,7 @@ class ExportStore(Database):
             select(
                 func.coalesce(func.sum(chains.c.step), 0),
                 func.coalesce(func.sum(chains.c.n_segments + 1), 0),
-                func.count().filter(chains.c.status == DONE),
+                func.count().filter(chains.c.status == ChainStatus.DONE.value),
                 func.count(),
             )
             .select_from(_joined(chains))

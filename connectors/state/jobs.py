@@ -26,8 +26,6 @@ from connectors.state.export import trajectory_row, with_rejected_quotes
 from connectors.state.records import ChainState, Event, JobInput, JobState, NewJob, StepCheckpoint
 from connectors.state.schema import (
     CANCELLED,
-    DONE,
-    FAILED,
     FINISHED_JOB,
     QUEUED,
     RUNNING,
@@ -39,12 +37,11 @@ from connectors.state.schema import (
     rejected_quotes,
     steps,
 )
+from operators.core.chain import ChainStatus
 from operators.core.document import PlannedChain
 from operators.core.evidence import Grounding
 
 T = TypeVar("T")
-# A job chain's status as the API shows it: "ok" once answered, "error" once failed, else "pending".
-ANSWER_STATUS = {DONE: "ok", FAILED: "error"}
 JOB_CHAIN_COLUMNS = (
     "chain_key",
     "question",
@@ -406,7 +403,7 @@ def _chain_states(connection: Connection, job_id: str, n_questions: int) -> tupl
     return tuple(
         ChainState(
             chain_index=index,
-            status=ANSWER_STATUS.get(by_key[key]["status"], "pending"),
+            status=ChainStatus(by_key[key]["status"]),
             **{name: by_key[key][name] for name in JOB_CHAIN_COLUMNS},
             grounded=None if by_key[key]["grounded"] is None else bool(by_key[key]["grounded"]),
             grounding_reason=by_key[key]["reason"],
@@ -444,7 +441,7 @@ def _add_end_event(connection: Connection, job_id: str, status: str, error: str 
         select(jobs.c.questions).where(jobs.c.job_id == job_id)
     ).scalar_one()
     answers = [
-        {"question": s.question, "status": s.status, "answer": s.answer}
+        {"question": s.question, "status": s.status.answer_status, "answer": s.answer}
         for s in _chain_states(connection, job_id, len(json.loads(questions)))
     ]
     _add_event(connection, job_id, "end", {"status": status, "error": error, "answers": answers})

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from connectors.state.schema import FINISHED_JOB
+from operators.core.chain import ChainStatus
 
 if TYPE_CHECKING:
     from operators.core.chain import MemoryChain, StepRecord
@@ -32,7 +33,7 @@ class DocumentRecord:
 class Checkpoint:
     """Where a chain stands: its status, the next step to run and the memory after the last."""
 
-    status: str
+    status: ChainStatus
     step: int
     memory: str | None
     answer: str | None = None
@@ -132,7 +133,7 @@ class ChainState:
     n_segments: int
     step: int
     memory: str | None
-    status: str  # "pending", "ok" or "error"
+    status: ChainStatus  # as stored: pending, running, done or failed
     answer: str | None
     raw_response: str | None
     error: str | None
@@ -149,12 +150,12 @@ class ChainState:
 
     @property
     def done(self) -> bool:
-        return self.status != "pending"
+        return self.status in (ChainStatus.DONE, ChainStatus.FAILED)
 
     def answer_record(self) -> dict[str, Any]:
         return {
             "question": self.question,
-            "status": self.status,
+            "status": self.status.answer_status,
             "answer": self.answer,
             "raw_response": self.raw_response,
             "final_memory": self.memory or "",

@@ -31,8 +31,11 @@ from sqlalchemy import (
     Text,
 )
 
-# A chain: pending -> running -> done | failed.
-PENDING, RUNNING, DONE, FAILED = "pending", "running", "done", "failed"
+from operators.core.chain import ChainStatus
+
+# A chain: pending -> running -> done | failed, stored as its `ChainStatus` value. Runs and
+# Serve jobs say running, done and failed in the same words.
+RUNNING, DONE, FAILED = ChainStatus.RUNNING.value, ChainStatus.DONE.value, ChainStatus.FAILED.value
 # A run: running -> done | done_with_errors | failed; a failed or killed (still "running") run
 # is resumed by the next run of the same job, or abandoned when the next run is another job's.
 DONE_WITH_ERRORS, ABANDONED = "done_with_errors", "abandoned"

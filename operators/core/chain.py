@@ -40,6 +40,34 @@ class ChainConfig:
             raise ValueError(f"reread_tokens must be 0 or more, got {self.reread_tokens}")
 
 
+class ChainStatus(str, Enum):
+    """Where a chain stands, in one vocabulary: the state store keeps the first four in
+    `chains.status` (pending -> running -> done | failed), a runner's result is done or failed,
+    and one resume of a checkpointed chain may also end skipped or stopped. The values are what
+    the store and the Parquet outputs hold."""
+
+    PENDING = "pending"  # planned, no step run
+    RUNNING = "running"  # under way: some steps may be checkpointed
+    DONE = "done"  # answered
+    FAILED = "failed"  # an error ended it
+    SKIPPED = "skipped"  # a resume found it answered by an earlier run: nothing was run
+    STOPPED = "stopped"  # a resume stopped where it was: its checkpoint writes were refused
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def answer_status(self) -> str:
+        """The answer's status as the Serve API and `memstream ask --json` show it: "ok" once
+        answered, "error" once failed, else "pending"."""
+        if self in (ChainStatus.DONE, ChainStatus.SKIPPED):
+            return "ok"
+        return "error" if self is ChainStatus.FAILED else "pending"
+
+
 class StepKind(str, Enum):
     UPDATE = "update"
     FINAL = "final"

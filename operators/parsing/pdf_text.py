@@ -11,10 +11,9 @@ measured this against pdfplumber's text (with and without layout), pypdfium2's a
 pdfminer char_margin on 10-Q filings, the CUAD contracts and multi-column reports: the others
 read lines across the columns of multi-column pages, lose paragraph breaks or cost more time.
 
-unstructured's `partition_pdf(strategy="fast")` was measured against it on the CUAD contracts
-(bench/pdf_parsers.py): it joins the words at line breaks ("choice oflaw"), so 0.391 of the gold
-clause spans were found in its text against 0.935 in pdfminer's, at 2.1x pdfminer's time on the
-longer reports; memstream does not use it."""
+unstructured's `partition_pdf(strategy="fast")` joins the words at line breaks ("choice oflaw"),
+so fewer of the CUAD gold clause spans are found in its text: memstream does not use it
+(bench/results/pdf_parsers.md)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from connectors.engines import models
 from connectors.engines.factory import EngineSpec, load_tokenizer, open_checked_engine
 from connectors.state.records import RunProgress
 from operators.config import MethodConfig, check_context_fit
-from operators.core.chain import MemoryChain, StepRecord
+from operators.core.chain import ChainStatus, MemoryChain, StepRecord
 from operators.core.collection import ORDERS, Member, document_refs, order_members
 from operators.core.evidence import Evidence
 from operators.parsing import ParseError, parse_document
@@ -125,7 +125,7 @@ def ask_files(
         print_answers(prepared, results, term.out)
     print(f"engine: {spec.describe()}", file=term.err)
     term.print_log_path()
-    failed_chains = sum(r.status != "ok" for rs in results.values() for r in rs)
+    failed_chains = sum(r.status != ChainStatus.DONE for rs in results.values() for r in rs)
     if failures or failed_chains:
         console.print(f"{len(failures)} file(s) skipped, {failed_chains} question(s) failed")
         return EXIT_PARTIAL_FAILURE
@@ -220,7 +220,7 @@ def print_answers(
             say(f"  {ref.label}")
         for result in results[document.doc_id]:
             say(f"  Q: {result.question}")
-            if result.status != "ok":
+            if result.status != ChainStatus.DONE:
                 say(f"  failed: {result.error}")
             elif result.answer is None:
                 say("  A: (no answer: the model did not say 'the answer is')")
@@ -260,7 +260,7 @@ def as_records(
                     "document": document.doc_id,
                     "question": result.question,
                     "answer": result.answer,
-                    "status": result.status,
+                    "status": result.status.answer_status,
                     "error": result.error,
                     "raw_response": result.raw_response,
                     "final_memory": result.final_memory,

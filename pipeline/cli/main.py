@@ -14,12 +14,22 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 
 from connectors.engines.models import ModelError, keep_hub_offline_unless_named
+from operators.config import ConfigError, TemplateChanged
 from operators.engine import EngineError
+from operators.parsing import ParseError
 from pipeline.cli import ask, demo, env, evaluate, models, report, run, terminal, train
 from pipeline.cli.flags import EXIT_INTERRUPTED, EXIT_USAGE, UserError
+from pipeline.job import JobError
+from pipeline.report import NotARunFolder
 
 COMMANDS = (ask, demo, report, run, evaluate, env, models, train)
 PLUGIN_GROUP = "memstream.commands"
+# What a user can fix, raised on purpose with a message for them: one line, no hint at a
+# traceback. Any other error, a bare ValueError included, is a bug, named by its type.
+USER_ERRORS = (
+    UserError, ConfigError, TemplateChanged, JobError, NotARunFolder, ParseError, ModelError,
+    EngineError, OSError,
+)  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,11 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # stdout carries results (e.g. `ask --json`); vLLM logs to stdout unless told otherwise.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
+    try:  # building the parser reads settings from the environment (their defaults)
+        args = build_parser().parse_args(argv)
         return int(args.handler(args) or 0)
-    except (UserError, ModelError, EngineError, ValueError, OSError) as error:
+    except USER_ERRORS as error:
         if os.environ.get("MEMSTREAM_DEBUG"):
             raise
         return _fail(f"memstream: error: {error}", EXIT_USAGE)

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from connectors.engines import models
 from operators.config import DocumentLimits
+from operators.core.chain import ChainStatus
 from pipeline.cli import terminal
 from pipeline.cli.flags import (
     ENGINE_FLAGS,
@@ -107,7 +108,7 @@ def problem_lines(summary: RunSummary, limit: int = 20) -> list[str]:
             summary.outputs["answers"], columns=["name", "question", "status", "error"]
         ).to_pylist()
         for row in answers:
-            if row["status"] == "failed":
+            if row["status"] == ChainStatus.FAILED:
                 lines.append(f"failed: {row['name']}: {row['question']!r}: {row['error']}")
     if len(lines) > limit:
         lines = [*lines[:limit], f"... and {len(lines) - limit} more (see the tables)"]

@@ -102,7 +102,11 @@ def flag_names(names: list[str]) -> str:
 
 def check_paths(config: TrainConfig) -> None:
     """The files a run reads and the folder it writes, checked before a model is loaded."""
-    if config.answers is not None and not config.answers.is_file():
-        raise UserError(f"--answers {config.answers}: no such file")
+    if config.answers is not None:
+        if not config.answers.is_file():
+            raise UserError(f"--answers {config.answers}: no such file")
+        from pipeline.training.tasks import read_jsonl
+
+        read_jsonl(config.answers)  # each row's fields, before any model loads
     if config.output.exists() and not config.output.is_dir():
         raise UserError(f"--output {config.output} is a file: name a folder")

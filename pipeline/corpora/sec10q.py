@@ -58,7 +58,7 @@ def load_filings(root: Path, names: set[str]) -> dict[str, str]:
 @functools.lru_cache(maxsize=32)
 def parse_filing(path: Path) -> ParsedText:
     """A filing parsed once a process: eval's tasks and the training tasks read the same 15
-    filings, about 5 s of parsing each."""
+    filings, each slow to parse."""
     try:
         return parse_document(path.read_bytes(), path.name)
     except ParseError as error:

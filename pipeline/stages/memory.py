@@ -110,7 +110,7 @@ class MemoryStage:
             "doc_id": document.doc_id,
             "question_id": chain.question_id,
             "chain_key": work.chain_key,
-            "status": outcome.status,
+            "status": outcome.status.value,
             "start_step": outcome.start_step,
             "steps_run": len(result.trajectory) if result else 0,
             "n_steps": 0 if segments is None else len(segments) + 1,

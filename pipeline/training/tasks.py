@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from operators.config import ConfigError
 from operators.core.scoring import AnswerMode
 from operators.parsing import parse_document
 from pipeline.corpora import DEFAULT_CORPORA
@@ -359,16 +360,22 @@ def write_jsonl(samples: Iterable[FactSample], path: Path) -> Path:
 
 def read_jsonl(path: Path) -> list[FactSample]:
     """Rows of document, question and answers (a list, or one string); sample_id and
-    needle_depth are optional (the line number and None)."""
+    needle_depth are optional (the line number and None). A row that is not such an object, or
+    a file without rows, is a ConfigError naming the file and line."""
     samples = []
     with path.open(encoding="utf-8") as file:
         for number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
-            row: dict[str, Any] = json.loads(line)
+            try:
+                row: dict[str, Any] = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"{path}:{number}: not JSON ({error.msg})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{number}: expected a JSON object")
             missing = [name for name in ("document", "question", "answers") if name not in row]
             if missing:
-                raise ValueError(f"{path}:{number}: missing {', '.join(missing)}")
+                raise ConfigError(f"{path}:{number}: missing {', '.join(missing)}")
             answers = row["answers"]
             samples.append(
                 FactSample(
@@ -379,4 +386,6 @@ def read_jsonl(path: Path) -> list[FactSample]:
                     needle_depth=row.get("needle_depth"),
                 )
             )
+    if not samples:
+        raise ConfigError(f"{path}: no samples (one JSON object a line)")
     return samples
