@@ -1,7 +1,8 @@
 """CUAD contract labels, read from the shared corpora: one natural question per labelled category
 of a contract and its gold answers with how they combine (every party named; a date in any usual
-spelling, compared as dates). `memstream eval` asks them over whole contracts (pipeline.evaluation.cuad);
-`memstream train --task cuad` trains on them (pipeline.training.contract_fields).
+spelling, compared as dates). `memstream eval` asks them over whole contracts
+(pipeline.evaluation.cuad); `memstream train --task cuad` trains on them
+(pipeline.training.contract_fields).
 
 Categories whose answer is only "Yes" or "No" (clause present or not) are left out: they test
 classification, not reading. Dates, given by CUAD as m/d/yyyy, also accept the usual spellings.
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from operators.config import ConfigError
 from operators.core.scoring import AnswerMode
 from operators.parsing import ParseError, parse_document
 from pipeline.corpora import check_root
@@ -142,7 +144,7 @@ def load_cuad(root: Path) -> list[tuple[Contract, str]]:
         try:
             parsed = parse_document(path.read_bytes(), path.name)
         except ParseError as error:
-            raise ValueError(f"{path}: {error.reason}") from None
+            raise ConfigError(f"{path}: {error.reason}") from None
         contracts.append((contract, parsed.text))
     return contracts
 

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from operators.config import ConfigError
 from operators.parsing import ParsedText, ParseError, parse_document
 from pipeline.corpora import check_root
 
@@ -62,4 +63,4 @@ def parse_filing(path: Path) -> ParsedText:
     try:
         return parse_document(path.read_bytes(), path.name)
     except ParseError as error:
-        raise ValueError(f"{path}: {error.reason}") from None
+        raise ConfigError(f"{path}: {error.reason}") from None

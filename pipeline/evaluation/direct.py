@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from operators.config import ConfigError
 from operators.core.segmentation import tokenize
 from operators.core.templates import defang
 
@@ -81,7 +82,7 @@ def build_direct_prompt(
     frame_tokens = len(tokenizer(frame, add_special_tokens=False)["input_ids"])
     budget = document_budget(context_window, max_answer_tokens, frame_tokens, chat_overhead)
     if budget < 1:
-        raise ValueError(
+        raise ConfigError(
             f"a context window of {context_window} tokens leaves no room for the document once "
             f"the prompt frame and {max_answer_tokens} answer tokens fit"
         )

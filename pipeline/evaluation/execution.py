@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from connectors.state.schema import DONE
 from operators.config import (
     ChunkSize,
+    ConfigError,
     MaxAnswerTokens,
     MaxMemoryTokens,
     MethodConfig,
@@ -87,7 +88,7 @@ class EvalMethod:
                 template = template[: reread.start()]
             get_template_set(template)  # an unknown template set fails here, naming the known
             return cls(name, template, int(reread[1]) if reread else 0, combined)
-        raise ValueError(
+        raise ConfigError(
             f"unknown method {text!r}: use direct, rag-bm25 or "
             "memstream:<template set>[+reread<N>][+combined]"
         )
@@ -100,7 +101,7 @@ class EvalMethod:
 def parse_methods(text: str) -> list[EvalMethod]:
     methods = [EvalMethod.parse(part) for part in text.split(",") if part.strip()]
     if not methods:
-        raise ValueError("no method given; use e.g. --methods memstream:memagent-reference,direct")
+        raise ConfigError("no method given; use e.g. --methods memstream:memagent-reference,direct")
     return list(dict.fromkeys(methods))
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from operators.config import ConfigError
 from operators.core.segmentation import TokenizedDocument, tokenize
 from pipeline.evaluation.samples import count_tokens
 
@@ -71,7 +72,7 @@ class HaystackCorpus:
 
     def __init__(self, texts: Mapping[str, str], tokenizer: Any) -> None:
         if not texts:
-            raise ValueError("a haystack needs at least one text")
+            raise ConfigError("a haystack needs at least one text")
         self.names = list(texts)
         joined = TEXT_SEPARATOR.join(text.strip() for text in texts.values())
         self.tokenized: TokenizedDocument = tokenize("haystack", joined, tokenizer)

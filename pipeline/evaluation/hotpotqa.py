@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from operators.config import ConfigError
 from pipeline.evaluation.haystack import Passage, cycle_from
 from pipeline.evaluation.samples import EvalSample, count_tokens
 
@@ -76,7 +77,7 @@ class HotpotQABuilder:
         self, examples: Sequence[HotpotExample], filler: Sequence[Passage], tokenizer: Any
     ) -> None:
         if not examples:
-            raise ValueError("no HotpotQA examples")
+            raise ConfigError("no HotpotQA examples")
         self.examples = list(examples)
         self.filler = [Paragraph(passage.title, passage.text) for passage in filler]
         self._filler_set = set(self.filler)

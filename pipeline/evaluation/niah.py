@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from operators.config import ConfigError
 from pipeline.corpora.needles import (
     ADJECTIVES,
     NEEDLES_PER_MULTI_SAMPLE,
@@ -61,7 +62,7 @@ class NiahBuilder:
     ) -> list[EvalSample]:
         for depth in depths:
             if not 0 <= depth <= 1:
-                raise ValueError(f"needle depth must be within [0, 1], got {depth}")
+                raise ConfigError(f"needle depth must be within [0, 1], got {depth}")
         return [
             self.build_one(
                 target_tokens, NiahCase.for_index(index, depths), seed, length_label, index

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
+from operators.config import ConfigError
 from pipeline.evaluation.execution import grade
 from pipeline.evaluation.results import Prediction
 from pipeline.evaluation.samples import EvalSample
@@ -49,7 +50,7 @@ def regrade(
             continue
         sample = samples.get(sample_key(prediction))
         if sample is None or (sample.question, list(sample.answers)) != asked(prediction):
-            raise ValueError(
+            raise ConfigError(
                 f"sample {prediction.sample_id} ({prediction.task}, {prediction.length_label}) "
                 "does not rebuild as the run had it: other corpora or another tokenizer?"
             )

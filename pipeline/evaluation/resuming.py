@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from operators.config import ConfigError
 from pipeline.evaluation.report import RESULTS_JSON, read_results
 from pipeline.evaluation.request import EvalRequest
 from pipeline.evaluation.suite import SuiteOutcome
@@ -51,7 +52,7 @@ def previous_results(
     if reworded:
         differing.append(f"wording of {', '.join(reworded)} (its prompts changed since)")
     if differing:
-        raise ValueError(
+        raise ConfigError(
             f"cannot resume: {path} was made with another {', '.join(differing)}; "
             "use the same options or another --output"
         )

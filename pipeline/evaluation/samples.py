@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from operators.config import ConfigError
 from operators.core.collection import Member
 from operators.core.scoring import AnswerMode
 
@@ -25,18 +26,18 @@ class LengthSpec:
         label = text.strip().lower()
         match = _LENGTH.fullmatch(label)
         if not match:
-            raise ValueError(f"length {text!r} is not a token count such as 8k, 128k, 1m or 1536")
+            raise ConfigError(f"length {text!r} is not a token count such as 8k, 128k, 1m or 1536")
         scale = {"": 1, "k": KIBI, "m": KIBI * KIBI}[match.group(2)]
         tokens = int(float(match.group(1)) * scale)
         if tokens < 256:
-            raise ValueError(f"length {text!r} is below 256 tokens")
+            raise ConfigError(f"length {text!r} is below 256 tokens")
         return cls(label, tokens)
 
 
 def parse_lengths(text: str) -> list[LengthSpec]:
     lengths = [LengthSpec.parse(part) for part in text.split(",") if part.strip()]
     if not lengths:
-        raise ValueError("no length given; use e.g. --lengths 8k,32k")
+        raise ConfigError("no length given; use e.g. --lengths 8k,32k")
     return sorted(set(lengths), key=lambda length: length.tokens)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from connectors.engines.hardware import detect
+from operators.config import ConfigError
 from operators.engine import Engine
 from pipeline.evaluation.checkpoints import EvalCheckpoints
 from pipeline.evaluation.execution import EvalMethod, EvalSettings, ProgressHook, run_configuration
@@ -37,7 +38,7 @@ def parse_tasks(text: str) -> list[str]:
     tasks = [part.strip().lower() for part in text.split(",") if part.strip()]
     unknown = [task for task in tasks if task not in TASKS]
     if unknown or not tasks:
-        raise ValueError(
+        raise ConfigError(
             f"unknown task(s) {', '.join(unknown) or '(none)'}; known: {', '.join(TASKS)}"
         )
     return list(dict.fromkeys(tasks))
