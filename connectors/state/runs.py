@@ -321,6 +321,16 @@ class RunStore(Database):
             return connection.execute(query).scalar()
 
     @reconnecting
+    def listed_of(self, run_id: str, attempt: int, source_uris: Sequence[str]) -> set[str]:
+        """Those of `source_uris` the run's attempt planned (documents) or failed (errors)."""
+        if not source_uris:
+            return set()
+        query = select(_listed(run_id, attempt).subquery().c.source_uri)
+        with self._read() as connection:
+            listed = {uri for (uri,) in connection.execute(query)}
+        return listed & set(source_uris)
+
+    @reconnecting
     def chain_statuses(self, chain_keys: Sequence[str]) -> dict[str, str]:
         """The status of each chain the store knows."""
         with self._read() as connection:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from operators.core.segmentation import Segment
+from operators.core.segmentation import DocumentRef, Segment
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class Document:
             n_tokens=row["n_tokens"],
             segments=None
             if segments is None
-            else tuple(Segment(doc_id, **piece) for piece in segments),
+            else tuple(_segment(doc_id, piece) for piece in segments),
             chains=tuple(PlannedChain(**chain) for chain in row["chains"] or ()),
         )
 
@@ -115,6 +115,16 @@ def doc_id_of(uri: str) -> str:
     return hashlib.sha256(uri.encode()).hexdigest()[:16]
 
 
+# A collection's segment carries its document (`DocumentRef`); a document's own has none.
+DOCUMENT_REF_TYPE = pa.struct(
+    [
+        ("name", pa.string()),
+        ("position", pa.int32()),
+        ("count", pa.int32()),
+        ("order_key", pa.string()),
+        ("page_starts", pa.list_(pa.int64())),
+    ]
+)
 SEGMENT_TYPE = pa.struct(
     [
         ("index", pa.int32()),
@@ -123,6 +133,7 @@ SEGMENT_TYPE = pa.struct(
         ("char_start", pa.int64()),
         ("char_end", pa.int64()),
         ("text", pa.string()),
+        ("document", DOCUMENT_REF_TYPE),
     ]
 )
 PLANNED_CHAIN_TYPE = pa.struct(
@@ -166,6 +177,13 @@ def documents_of(table: pa.Table) -> list[Document]:
 
 def _segment_row(piece: Segment) -> dict[str, Any]:
     row = asdict(piece)
-    del row["doc_id"]  # the document's: implied by the row it is in
-    del row["document"]  # a collection's label: the job's rows hold one document each
+    del row["doc_id"]  # the document's (or collection's): implied by the row it is in
     return row
+
+
+def _segment(doc_id: str, row: Mapping[str, Any]) -> Segment:
+    ref = row.get("document")
+    document = None
+    if ref is not None:
+        document = DocumentRef(**{**ref, "page_starts": tuple(ref["page_starts"] or ())})
+    return Segment(doc_id, **{**row, "document": document})

@@ -1,4 +1,6 @@
-"""The Ray Data graph: the sources' read, then parse, segment and the memory actor pool."""
+"""The Ray Data graph: the sources' read, then parse, segment and the memory actor pool; with
+collections, a second branch from the parsed documents: one group per collection, segmented
+as one document, into the same memory actors."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from connectors import Source
 from connectors.reading import SourceDatasource
 from pipeline.job.plan import JobPlan
 from pipeline.job.summary import Tally
+from pipeline.stages.collection import COLLECTION_COLUMN, CollectionMembers, CollectionStage
 from pipeline.stages.memory import ENGINE_ACTOR_ENV, MemoryStage
 from pipeline.stages.read import ReadParseStage
 from pipeline.stages.run import RunContext
@@ -56,20 +59,26 @@ def _build_dataset(plan: JobPlan, run: RunContext) -> Any:
     concurrency = plan.spec.concurrency
     dataset = read_sources(plan.sources, concurrency.read_tasks)
     read_compute = TaskPoolStrategy(size=concurrency.read_tasks)
-    dataset = dataset.map_batches(
-        ReadParseStage(plan.sources, run),
+    parsed = dataset.map_batches(
+        ReadParseStage(plan.sources, run, keep_failed=bool(run.collections)),
         batch_format="pyarrow",
         batch_size=1,
         compute=read_compute,
         num_cpus=0.5,
     )
-    dataset = dataset.map_batches(
+    if run.collections:
+        # Both branches read the parsed documents: held once in the object store rather than
+        # read and parsed twice. The documents' chains start once every document is parsed.
+        parsed = parsed.materialize()
+    dataset = parsed.map_batches(
         SegmentStage(run),
         batch_format="pyarrow",
         batch_size=1,
         compute=read_compute,
         num_cpus=0.5,
     )
+    if run.collections:
+        dataset = dataset.union(_collections(parsed, run, read_compute))
     in_flight = concurrency.batches_in_flight
     return dataset.map_batches(
         MemoryStage,
@@ -91,6 +100,22 @@ def _build_dataset(plan: JobPlan, run: RunContext) -> Any:
         num_gpus=concurrency.num_gpus or None,
         runtime_env={"env_vars": ENGINE_ACTOR_ENV},
     )
+
+
+def _collections(parsed: Any, run: RunContext, compute: Any) -> Any:
+    """Each collection's members grouped by its name (a shuffle: a collection is read once all
+    its members are parsed), then segmented and planned as one document per collection."""
+    members = parsed.map_batches(
+        CollectionMembers(run.collections),
+        batch_format="pyarrow",
+        batch_size=1,
+        compute=compute,
+        num_cpus=0.5,
+    )
+    # map_groups takes a function (or a class to construct): the stage's bound call.
+    # One partition per collection at most: Ray's default (200) is as many reduce tasks.
+    grouped = members.groupby(COLLECTION_COLUMN, num_partitions=len(run.collections))
+    return grouped.map_groups(CollectionStage(run).__call__, batch_format="pyarrow", num_cpus=0.5)
 
 
 def ensure_ray(address: str | None) -> bool:

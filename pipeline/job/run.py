@@ -15,6 +15,7 @@ from connectors.results import ResultWriter, RunIdentity
 from connectors.state import locks
 from connectors.state.database import StateStoreError
 from connectors.state.schema import DONE, DONE_WITH_ERRORS, FAILED
+from operators.core.document import Document
 from pipeline.job.graph import ensure_ray, stream
 from pipeline.job.plan import JobPlan, check_not_empty, estimated_tokens, plan_job
 from pipeline.job.spec import JobError, JobSpec
@@ -67,12 +68,14 @@ def _run(
         method=plan.spec.method,
         questions=plan.questions,
         limits=plan.spec.limits,
+        collections=plan.collections,
     )
     started_ray = ensure_ray(plan.spec.ray_address)
     tally = Tally()
     try:
         with watching(plan.store, run_id, attempt, on_progress, progress_interval_s):
             stream(plan, run, tally)
+            _record_empty_collections(plan, run)
         elapsed_s = time.perf_counter() - started
         return _finish(plan, run, tally, elapsed_s, started_at)
     except BaseException as error:
@@ -90,6 +93,20 @@ def _run(
     # Raised here, not in the except block: the JobError keeps no reference to the Ray error,
     # whose traceback holds the stream's executor and its actors alive.
     raise JobError(stopped)
+
+
+def _record_empty_collections(plan: JobPlan, run: RunContext) -> None:
+    """An errors row for each collection no document reached: none matched its globs."""
+    uris = [collection.uri for collection in plan.collections]
+    listed = plan.store.listed_of(run.run_id, run.attempt, uris)
+    for collection in plan.collections:
+        if collection.uri not in listed:
+            run.record_error(
+                Document(uri=collection.uri, name=collection.name),
+                "collection",
+                "NoMember",
+                f"no document matches {', '.join(collection.documents)}",
+            )
 
 
 # What stops a run with one line rather than a traceback: a shard that failed as a whole in its
@@ -187,6 +204,11 @@ def _run_description(plan: JobPlan) -> dict[str, Any]:
     return {
         "sources": [repr(source) for source in plan.sources],
         "questions": [asdict(question) for question in plan.questions],
+        **(
+            {"collections": [asdict(collection) for collection in plan.collections]}
+            if plan.collections
+            else {}
+        ),
         "engine": {
             "kind": spec.engine.kind,
             "model": spec.engine.model,

@@ -21,6 +21,7 @@ from operators.config import (
     parse_config,
     with_default_template,
 )
+from operators.core.collection import OrderBy
 from operators.core.settings import Flag
 
 
@@ -97,6 +98,52 @@ class ConcurrencySpec:
 
 
 @dataclass(frozen=True)
+class CollectionSpec:
+    """Documents read together, in order, by one memory chain per question: a question that
+    spans them is asked of the collection, not of each document (docs/guide/collections.md)."""
+
+    name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            description="the collection's name: its answers rows' `name`, and "
+            "`collection:<name>` their `source_uri`",
+        ),
+    ]
+    questions: Annotated[
+        tuple[str, ...],
+        Field(min_length=1, description="asked of the collection as a whole (ids q0, q1, ...)"),
+    ]
+    documents: Annotated[
+        tuple[str, ...],
+        Field(
+            min_length=1,
+            description="which documents it holds: globs over the documents' names (a file's "
+            "name, as the answers' `name` column shows it); default: every document",
+        ),
+    ] = ("*",)
+    source: Annotated[
+        int | None,
+        Field(
+            ge=0, description="only documents of the job's source with this index (0: the first)"
+        ),
+    ] = None
+    order_by: Annotated[
+        OrderBy,
+        Field(
+            description="the reading order; listed: by the `documents` globs as written, then by "
+            "name within a glob; name: by name; mtime: oldest first (local files)"
+        ),
+    ] = "listed"
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ValueError("a collection's name is empty")
+        if not any(question.strip() for question in self.questions):
+            raise ValueError(f"collection {self.name!r} asks no question")
+
+
+@dataclass(frozen=True)
 class JobSpec:
     __pydantic_config__ = STRICT_KEYS
 
@@ -123,6 +170,13 @@ class JobSpec:
         dict[str, str],
         Field(description="field name -> question, the field name being the question's id"),
     ] = field(default_factory=dict)
+    collections: Annotated[
+        tuple[CollectionSpec, ...],
+        Field(
+            description="named collections of the documents, each read in order by one chain "
+            "per question of its own; a document may be in several"
+        ),
+    ] = ()
     engine: EngineSpec = field(default_factory=EngineSpec)
     method: MethodConfig = field(default_factory=MethodConfig)
     limits: DocumentLimits = field(default_factory=DocumentLimits)  # of one document
@@ -154,6 +208,10 @@ class JobSpec:
     def __post_init__(self) -> None:
         if not self.sources:
             raise ValueError("sources is empty: name at least one input (a path, s3:// or SQL)")
+        names = [collection.name for collection in self.collections]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"collection names must differ: {', '.join(twice)} named twice")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "job") -> JobSpec:
@@ -166,10 +224,22 @@ class JobSpec:
         for key in ("sources", "questions"):
             if isinstance(raw.get(key), (str, dict)):
                 raw[key] = [raw[key]]
+        if isinstance(raw.get("collections"), list):
+            raw["collections"] = [_listing(collection) for collection in raw["collections"]]
         try:
             return parse_config(cls, raw, where)
         except ConfigError as error:
             raise JobError(str(error)) from None
+
+
+def _listing(collection: Any) -> Any:
+    """A collection's `documents` and `questions` given as one string: a list of one."""
+    if not isinstance(collection, Mapping):
+        return collection
+    return {
+        key: [value] if key in ("documents", "questions") and isinstance(value, str) else value
+        for key, value in collection.items()
+    }
 
 
 def load_job_spec(path: str | Path, overrides: Mapping[str, Any] | None = None) -> JobSpec:

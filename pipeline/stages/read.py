@@ -27,11 +27,15 @@ class ReadParseStage:
     each document's bytes, as its read task fetched them (reads them here for a document that
     comes without: from a source's documents() in tests and tools), or takes its inline text.
     A document whose listing or read failed (its `error`) becomes an errors row. Runs as plain
-    Ray tasks."""
+    Ray tasks. With `keep_failed` (a job with collections), a document that failed stays in the
+    stream, its `error` saying why, so a collection can note which member it read without."""
 
-    def __init__(self, sources: Sequence[Source], run: RunContext) -> None:
+    def __init__(
+        self, sources: Sequence[Source], run: RunContext, keep_failed: bool = False
+    ) -> None:
         self.sources = list(sources)
         self.run = run
+        self.keep_failed = keep_failed
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         parsed = (self._parsed(document) for document in documents_of(batch))
@@ -64,20 +68,25 @@ class ReadParseStage:
                     page_starts=text.page_starts,
                 )
         except ParseError as error:
-            self.run.record_error(document, stage, "ParseError", error.reason)
-            return None
+            return self._failed(document, stage, "ParseError", error.reason)
         except SourceError as error:
-            self.run.record_error(document, stage, "SourceError", str(error))
-            return None
+            return self._failed(document, stage, "SourceError", str(error))
         except StateStoreError:  # not the document's fault: the job stops
             raise
         except Exception as error:  # a bug or a library failure: one error row, not a crash
             logger.exception("cannot %s %s", stage, document.uri)
             message = str(error) or type(error).__name__
-            self.run.record_error(document, stage, type(error).__name__, message)
-            return None
+            return self._failed(document, stage, type(error).__name__, message)
         warning = instruction_warning(parsed.text or "")
         if warning is not None:
             parsed = replace(parsed, warnings=(*parsed.warnings, warning))
         text_bytes = (parsed.text or "").encode()
         return replace(parsed, content_sha256=hashlib.sha256(text_bytes).hexdigest())
+
+    def _failed(
+        self, document: Document, stage: str, error_type: str, message: str
+    ) -> Document | None:
+        self.run.record_error(document, stage, error_type, message)
+        if not self.keep_failed:
+            return None
+        return replace(document, data=None, text=None, error=f"{error_type}: {message}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 
 from connectors.engines.factory import EngineSpec
 from connectors.state.records import ErrorRecord
@@ -20,6 +21,36 @@ class Question:
     text: str
 
 
+COLLECTION_SCHEME = "collection:"
+
+
+@dataclass(frozen=True)
+class CollectionPlan:
+    """A collection as the stages see it (the job's `CollectionSpec` with its questions given
+    ids): which documents it holds, their order, and the questions asked of it."""
+
+    name: str
+    order_by: str
+    documents: tuple[str, ...]  # globs over the documents' names
+    source: int | None  # only documents of this source, when set
+    questions: tuple[Question, ...]
+
+    @property
+    def uri(self) -> str:
+        """What its answers rows have for `source_uri` (its `name` is the collection's)."""
+        return f"{COLLECTION_SCHEME}{self.name}"
+
+    def position(self, document: Document) -> int | None:
+        """The index of the first glob the document matches, None when not a member: a listed
+        collection reads its members glob by glob, by name within one."""
+        if self.source is not None and document.source_index != self.source:
+            return None
+        for index, pattern in enumerate(self.documents):
+            if fnmatchcase(document.name, pattern):
+                return index
+        return None
+
+
 @dataclass(frozen=True)
 class RunContext:
     """What every stage needs to know about the run; small and picklable."""
@@ -31,6 +62,10 @@ class RunContext:
     method: MethodConfig
     questions: tuple[Question, ...]  # asked of every document
     limits: DocumentLimits = field(default_factory=DocumentLimits)  # over one: an errors row
+    collections: tuple[CollectionPlan, ...] = ()  # each read as one document by its chains
+
+    def in_a_collection(self, document: Document) -> bool:
+        return any(c.position(document) is not None for c in self.collections)
 
     def chain_key(self, content_sha256: str, question: str) -> str:
         return chain_key(content_sha256, question, self.engine, self.method)

@@ -13,7 +13,7 @@ import pyarrow as pa
 from connectors.engines.factory import EngineSpec, load_tokenizer
 from connectors.state.database import StateStoreError
 from connectors.state.records import DocumentRecord
-from connectors.state.schema import DONE
+from operators.core.chain import ChainStatus
 from operators.core.document import Document, PlannedChain, documents_of, documents_table
 from operators.core.segmentation import segment, tokenize
 from pipeline.stages.run import RunContext, open_store
@@ -32,9 +32,10 @@ class SegmentStage:
     records its chains (one per question) in the state store. A document whose chains are all
     answered already (unchanged since an earlier run, or answered by an earlier attempt) is
     recorded for the run, so its answers are the run's too, and goes no further: only new and
-    changed documents, and those with unfinished chains, reach the memory stage. Runs as plain
-    Ray tasks; `tokenizer_factory` gives the engine's tokenizer, by default loaded once per
-    worker process."""
+    changed documents, and those with unfinished chains, reach the memory stage. A document
+    asked nothing of its own but in a collection goes no further here: the collection stage
+    reads it (`pipeline.stages.collection`). Runs as plain Ray tasks; `tokenizer_factory` gives
+    the engine's tokenizer, by default loaded once per worker process."""
 
     def __init__(
         self, run: RunContext, tokenizer_factory: Callable[[EngineSpec], Any] = cached_tokenizer
@@ -45,6 +46,8 @@ class SegmentStage:
     def __call__(self, batch: pa.Table) -> pa.Table:
         planned = []
         for document in documents_of(batch):
+            if document.error is not None:  # failed to read or parse: in errors already
+                continue
             try:
                 plan = self._planned(document)
             except StateStoreError:  # not the document's fault: the job stops
@@ -60,6 +63,8 @@ class SegmentStage:
 
     def _planned(self, document: Document) -> Document | None:
         questions = self.run.questions_for(document.questions)
+        if not questions and self.run.in_a_collection(document):
+            return None  # read for its collections only: their rows answer for it
         if not questions:
             self.run.record_error(
                 document,
@@ -86,7 +91,7 @@ class SegmentStage:
             for question in questions
         ]
         statuses = store.chain_statuses([chain.chain_key for chain in chains])
-        answered = all(statuses.get(chain.chain_key) == DONE for chain in chains)
+        answered = all(statuses.get(chain.chain_key) == ChainStatus.DONE for chain in chains)
         segments = None
         n_tokens = None
         if original is None and not answered:

@@ -1,0 +1,192 @@
+"""Collections in the corpus job: parsed documents in, one planned document per collection out.
+
+A job's `collections` each name documents (globs over their names) and questions asked of them
+together. `CollectionMembers` gives each parsed document one row per collection it belongs to,
+keyed by the collection's name (`COLLECTION_COLUMN`); the graph groups those rows by that key,
+and `CollectionStage` turns each group into one `Document`: its members in reading order
+(`operators.core.collection.order_members`), cut document by document
+(`segment_collection`), each segment carrying its member's `DocumentRef`, and one chain per
+question. From there the memory stage and `pipeline/resume.py` run it as any document's chains:
+checkpointed step by step, resumed after a crash, skipped when answered.
+
+A collection's chain key hashes what its chain reads (`collection_sha256`: every member's
+header and text, in order) with the question, model and method, so an unchanged collection is
+answered once, and a changed, added, removed or reordered member runs it anew. Its answers rows
+have the collection's name in `name` and `collection:<name>` in `source_uri`; a member that could
+not be read or parsed is an errors row of its own, and the collection is read without it, a
+warning on its answers rows saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from connectors.engines.factory import EngineSpec
+from connectors.state.database import StateStoreError
+from connectors.state.records import DocumentRecord
+from operators.core.chain import ChainStatus
+from operators.core.collection import (
+    Member,
+    collection_sha256,
+    order_members,
+    segment_collection,
+)
+from operators.core.document import (
+    DOCUMENT_SCHEMA,
+    Document,
+    PlannedChain,
+    documents_of,
+    documents_table,
+)
+from pipeline.stages.run import CollectionPlan, RunContext, open_store
+from pipeline.stages.segment import cached_tokenizer
+
+logger = logging.getLogger(__name__)
+
+COLLECTION_COLUMN = "collection"  # the group key: the collection's name
+MEMBER_SCHEMA = DOCUMENT_SCHEMA.append(pa.field(COLLECTION_COLUMN, pa.string()))
+PARSER = "collection"  # the `parser` of a collection's row in the store's documents table
+
+
+class CollectionMembers:
+    """Parsed documents in (those that failed too, with their `error`), one row per
+    (collection, member) out: the document's row with the collection's name beside it."""
+
+    def __init__(self, collections: Sequence[CollectionPlan]) -> None:
+        self.collections = list(collections)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = []
+        for document in documents_of(batch):
+            row = document.to_row()
+            for collection in self.collections:
+                if collection.position(document) is not None:
+                    rows.append({**row, COLLECTION_COLUMN: collection.name})
+        return pa.Table.from_pylist(rows, schema=MEMBER_SCHEMA)
+
+
+class CollectionStage:
+    """One collection's member rows in (a group of `CollectionMembers`' rows), its planned
+    document out: segmented, its chains recorded in the state store, or nothing when every
+    chain is answered already (its answers rows are then the run's) or it cannot be read (an
+    errors row for the collection)."""
+
+    def __init__(
+        self, run: RunContext, tokenizer_factory: Callable[[EngineSpec], Any] = cached_tokenizer
+    ) -> None:
+        self.run = run
+        self.tokenizer_factory = tokenizer_factory
+        self.collections = {collection.name: collection for collection in run.collections}
+
+    def __call__(self, group: pa.Table) -> pa.Table:
+        names = set(group.column(COLLECTION_COLUMN).to_pylist()) if group.num_rows else set()
+        planned = []
+        for name in sorted(names):
+            collection = self.collections[name]
+            members = documents_of(group.filter(pc.equal(group.column(COLLECTION_COLUMN), name)))
+            anchor = Document(uri=collection.uri, name=collection.name)
+            try:
+                document = self._planned(collection, members)
+            except StateStoreError:  # not the collection's fault: the job stops
+                raise
+            except Exception as error:  # one bad collection never stops the job
+                logger.exception("cannot plan collection %s", name)
+                message = str(error) or type(error).__name__
+                self.run.record_error(anchor, "collection", type(error).__name__, message)
+                continue
+            if document is not None:
+                planned.append(document)
+        return documents_table(planned)
+
+    def _planned(self, collection: CollectionPlan, members: list[Document]) -> Document | None:
+        anchor = Document(uri=collection.uri, name=collection.name)
+        read = sorted(
+            (document for document in members if document.error is None),
+            key=lambda d: (collection.position(d), d.name, d.uri),
+        )
+        skipped = sorted((d for d in members if d.error is not None), key=lambda d: d.uri)
+        notes = tuple(f"member {d.name} ({d.uri}) skipped: {d.error}" for d in skipped)
+        if not read:
+            message = "no member could be read" if skipped else "no document matches"
+            self.run.record_error(anchor, "collection", "NoMember", message)
+            return None
+        ordered = order_members(
+            [Member(d.uri, d.name, d.text or "", d.page_starts, _mtime(d.metadata)) for d in read],
+            collection.order_by,
+        )
+        content = collection_sha256(ordered)
+        store = open_store(self.run.store_url)
+        original = store.document_with_content(
+            self.run.run_id, self.run.attempt, content, collection.uri
+        )
+        if original is not None:
+            notes += (f"duplicate of {original}: same members in the same order, answered once",)
+        chains = [
+            PlannedChain(
+                self.run.chain_key(content, question.text), question.question_id, question.text
+            )
+            for question in collection.questions
+        ]
+        statuses = store.chain_statuses([chain.chain_key for chain in chains])
+        answered = all(statuses.get(chain.chain_key) == ChainStatus.DONE for chain in chains)
+        segments = None
+        n_tokens = None
+        if original is None and not answered:
+            tokenizer = self.tokenizer_factory(self.run.engine)
+            cut = segment_collection(ordered, tokenizer, self.run.method.segmentation())
+            if cut.n_tokens > self.run.limits.max_tokens:
+                message = (
+                    f"too large: {cut.n_tokens:,} tokens, over the limit of "
+                    f"{self.run.limits.max_tokens:,}"
+                )
+                self.run.record_error(anchor, "collection", "TooLarge", message)
+                return None
+            segments = tuple(cut.segments)
+            n_tokens = cut.n_tokens
+        document = replace(
+            anchor,
+            content_sha256=content,
+            parser=PARSER,
+            warnings=notes,
+            metadata={
+                "order_by": collection.order_by,
+                "members": [member.doc_id for member, _ in ordered],
+                "skipped": [d.uri for d in skipped],
+            },
+            n_tokens=n_tokens,
+            segments=segments,
+        )
+        statuses = store.plan_document(self._record(document), chains)
+        if original is not None or answered:
+            return None
+        return replace(
+            document,
+            chains=tuple(replace(chain, status=statuses.get(chain.chain_key)) for chain in chains),
+        )
+
+    def _record(self, document: Document) -> DocumentRecord:
+        return DocumentRecord(
+            run_id=self.run.run_id,
+            attempt=self.run.attempt,
+            source_uri=document.uri,
+            doc_id=document.doc_id,
+            name=document.name,
+            content_sha256=document.content_sha256 or "",
+            parser=document.parser,
+            pages=None,
+            warnings=document.warnings,
+            metadata=document.metadata,
+            n_tokens=document.n_tokens,
+            n_segments=None if document.segments is None else len(document.segments),
+        )
+
+
+def _mtime(metadata: Any) -> float | None:
+    value = metadata.get("mtime") if metadata else None
+    return float(value) if isinstance(value, (int, float)) else None
