@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from operators.core.dates import find_dates
 from operators.core.segmentation import SegmentationConfig, segment, tokenize
 from pipeline.cli.flags import UserError, model_from_flags
 from pipeline.cli.main import build_parser
@@ -36,7 +37,9 @@ def test_samples_build_from_the_shared_contracts_and_segment_by_the_chunk_size( 
         for sample in samples:
             assert sample.document == texts[sample.contract]
             assert sample.answers and sample.question.endswith("?")
-            assert sample.answer_mode == ("all" if sample.category == "Parties" else "any")
+            dated = bool(find_dates(sample.answers[0]))  # CUAD gives dates as m/d/yyyy
+            expected = "all" if sample.category == "Parties" else "date" if dated else "any"
+            assert sample.answer_mode == expected, sample.category
         document = tokenize(samples[0].sample_id, samples[0].document, tokenizer)
         assert document.n_tokens > 5_000  # a whole contract, several segments long
         segments = segment(document, tokenizer, SegmentationConfig(chunk_size=config.chunk_size))
@@ -84,11 +87,12 @@ def test_a_parties_answer_earns_the_reward_only_with_every_party_named(corpora: 
 def test_a_date_field_accepts_any_usual_spelling(corpora: Path) -> None:
     train = generate_field_samples(TRAIN_LABELS, split="train", corpora=corpora)
     (agreement_date,) = [sample for sample in train if sample.category == "Agreement Date"]
-    assert agreement_date.answer_mode == "any"
-    for spelling in ("March 14, 2018", "3/14/2018", "14th day of March, 2018"):
+    assert agreement_date.answer_mode == "date"
+    for spelling in ("March 14, 2018", "3/14/2018", "14th day of March, 2018", "3-14-18"):
         response = f"So the answer is {spelling}."
-        assert reward_of(response, agreement_date.answers, answer_mode="any") == 1.0
-    assert reward_of("So the answer is March 15, 2018.", agreement_date.answers) == 0.0
+        assert reward_of(response, agreement_date.answers, answer_mode="date") == 1.0
+    wrong = "So the answer is March 15, 2018."
+    assert reward_of(wrong, agreement_date.answers, answer_mode="date") == 0.0
 
 
 def test_the_keep_the_fact_task_is_the_default_and_unchanged(  # type: ignore[no-untyped-def]
