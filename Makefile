@@ -101,6 +101,7 @@ train-default: setup
 	  --lora --lora-rank 8 --lora-alpha 16 --learner-dtype $(TRAIN_DEFAULT_DTYPE) \
 	  --preset dapo --steps 60 --samples-per-step 4 --group-size 4 \
 	  --learning-rate 2e-5 --warmup-steps 4 --mini-batch-conversations 16 \
+	  --micro-batch-tokens 2048 \
 	  --max-model-len 4096 --kv-cache-gib 2 --heldout-every 5 --heldout-samples 40 \
 	  $(TRAIN_DEFAULT_ARGS) >> $(TRAIN_DEFAULT_OUT)/train.log 2>&1
 
