@@ -16,7 +16,9 @@ import asyncio
 import atexit
 import json
 import os
+import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,7 +29,8 @@ from connectors.engines.factory import EngineSpec
 from connectors.engines.fake import EngineCrash, FactEngine, WordTokenizer, tagged
 from connectors.local import LocalSource
 from connectors.state.store import StateStore
-from operators.config import MethodConfig
+from operators.config import ConfigError, MethodConfig, check_context_fit
+from operators.core.collection import Member, order_members, with_longest_header
 from operators.core.document import documents_table
 from pipeline.job import JobError, JobSpec, run_job
 from pipeline.job.plan import derive_job_key, resolve_collections, resolve_questions
@@ -69,6 +72,7 @@ def run_stages(
     collections: tuple[CollectionPlan, ...],
     questions: tuple[Question, ...] = (),
     engine: FactEngine | None = None,
+    spec: EngineSpec = SPEC,
 ) -> StagesRun:
     """The job's stages over a folder, the collection branch beside the documents' one; the
     memory stage opens `engine`, else a new FactEngine. A crash of the engine (EngineCrash)
@@ -79,7 +83,7 @@ def run_stages(
     store.migrate()
     attempt = store.begin_run(run_id, {"test": "collections"}).attempt
     context = RunContext(
-        run_id, attempt, store_url, SPEC, METHOD, questions, collections=collections
+        run_id, attempt, store_url, spec, METHOD, questions, collections=collections
     )
     source = LocalSource([str(folder)])
     parsed = ReadParseStage([source], context, keep_failed=True)(
@@ -251,6 +255,34 @@ def test_a_collection_with_no_readable_member_is_an_errors_row(
     assert run.errors["quarters"]["source_uri"] == "collection:quarters"
     assert run.errors["quarters"]["message"] == "no member could be read"
     assert run.errors["broken.pdf"]["stage"] == "parse"
+
+
+def test_a_collection_whose_headers_overflow_the_window_is_an_errors_row(
+    reports: Path, store_url: str
+) -> None:
+    """The plan checks the questions alone; each segment of a collection is shown after its
+    member's header too, which the collection stage checks before any model call."""
+
+    def needed(questions: list[str]) -> int:
+        with pytest.raises(ConfigError) as refused:
+            check_context_fit(METHOD, questions, WordTokenizer(), 1)
+        return int(re.search(r"needs up to (\d+) tokens", str(refused.value))[1])
+
+    (reports / "2023-q4 with a long name that the model reads before each segment.txt").write_text(
+        "The fourth quarter report."
+    )
+    collection = quarters("name", "2023-q*")
+    ordered = order_members(
+        [Member(name, name, "") for name in sorted(path.name for path in reports.iterdir())],
+        "name",
+    )
+    window = needed([QUESTION])
+    assert needed(with_longest_header([QUESTION], ordered)) > window
+    small = replace(SPEC, max_model_len=window)
+    run = run_stages(reports, store_url, "run-1", (collection,), spec=small)
+    assert run.answers == {} and run.engine is None
+    assert run.errors["quarters"]["error_type"] == "TooLong"
+    assert "max_model_len" in run.errors["quarters"]["message"]
 
 
 def test_the_spec_names_collections_and_their_keys() -> None:

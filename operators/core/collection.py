@@ -82,6 +82,18 @@ def document_refs(ordered: Sequence[tuple[Member, str]]) -> tuple[DocumentRef, .
     )
 
 
+def with_longest_header(
+    questions: Sequence[str], ordered: Sequence[tuple[Member, str]]
+) -> list[str]:
+    """The questions as long as an update prompt's question plus the longest document header,
+    so a context check (`operators.config.check_context_fit`) counts the header each segment is
+    shown with."""
+    header = max(
+        (ref.header(continued=True) for ref in document_refs(ordered)), key=len, default=""
+    )
+    return [f"{question}\n{header}" for question in questions]
+
+
 def segment_collection(
     ordered: Sequence[tuple[Member, str]], tokenizer: Tokenizer, config: SegmentationConfig
 ) -> CollectionSegments:

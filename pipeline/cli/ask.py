@@ -18,7 +18,7 @@ from connectors.engines.factory import EngineSpec, load_tokenizer, open_checked_
 from connectors.state.records import RunProgress
 from operators.config import MethodConfig, check_context_fit
 from operators.core.chain import ChainStatus, MemoryChain, StepRecord
-from operators.core.collection import ORDERS, Member, document_refs, order_members
+from operators.core.collection import ORDERS, Member, order_members, with_longest_header
 from operators.core.evidence import Evidence
 from operators.parsing import ParseError, parse_document
 from operators.runner import ChainResult, ChainRunner
@@ -104,7 +104,8 @@ def ask_files(
     models.ensure_pulled(spec.model, console.print)
     tokenizer = load_tokenizer(spec)
     members = collection_members(documents) if across else []
-    fitted = with_longest_header(questions, members, order_by) if across else questions
+    ordered = order_members(members, order_by) if across else []
+    fitted = with_longest_header(questions, ordered) if across else questions
     check_context_fit(method, fitted, tokenizer, spec.resolved_max_model_len)
     if across:
         prepared = [
@@ -162,16 +163,6 @@ def collection_members(documents: Sequence[DocumentInput]) -> list[Member]:
         )
         for document, path in zip(documents, paths, strict=True)
     ]
-
-
-def with_longest_header(
-    questions: Sequence[str], members: Sequence[Member], order_by: str
-) -> list[str]:
-    """The questions as long as an update prompt's question plus the longest document header,
-    so the context check counts the header each segment is shown with."""
-    refs = document_refs(order_members(members, order_by))
-    header = max((ref.header(continued=True) for ref in refs), key=len, default="")
-    return [f"{question}\n{header}" for question in questions]
 
 
 async def run_with_progress(

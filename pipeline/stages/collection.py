@@ -30,12 +30,14 @@ import pyarrow.compute as pc
 from connectors.engines.factory import EngineSpec
 from connectors.state.database import StateStoreError
 from connectors.state.records import DocumentRecord
+from operators.config import ConfigError, check_context_fit
 from operators.core.chain import ChainStatus
 from operators.core.collection import (
     Member,
     collection_sha256,
     order_members,
     segment_collection,
+    with_longest_header,
 )
 from operators.core.document import (
     DOCUMENT_SCHEMA,
@@ -139,6 +141,17 @@ class CollectionStage:
         n_tokens = None
         if original is None and not answered:
             tokenizer = self.tokenizer_factory(self.run.engine)
+            asked = [question.text for question in collection.questions]
+            try:  # the plan checked the questions; each segment is shown after its header too
+                check_context_fit(
+                    self.run.method,
+                    with_longest_header(asked, ordered),
+                    tokenizer,
+                    self.run.engine.resolved_max_model_len,
+                )
+            except ConfigError as error:
+                self.run.record_error(anchor, "collection", "TooLong", str(error))
+                return None
             cut = segment_collection(ordered, tokenizer, self.run.method.segmentation())
             if cut.n_tokens > self.run.limits.max_tokens:
                 message = (
