@@ -29,7 +29,6 @@ import pyarrow.compute as pc
 
 from connectors.engines.factory import EngineSpec
 from connectors.state.database import StateStoreError
-from connectors.state.records import DocumentRecord
 from operators.config import ConfigError, check_context_fit
 from operators.core.chain import ChainStatus
 from operators.core.collection import (
@@ -175,28 +174,12 @@ class CollectionStage:
             n_tokens=n_tokens,
             segments=segments,
         )
-        statuses = store.plan_document(self._record(document), chains)
+        statuses = store.plan_document(self.run.record_of(document), chains)
         if original is not None or answered:
             return None
         return replace(
             document,
             chains=tuple(replace(chain, status=statuses.get(chain.chain_key)) for chain in chains),
-        )
-
-    def _record(self, document: Document) -> DocumentRecord:
-        return DocumentRecord(
-            run_id=self.run.run_id,
-            attempt=self.run.attempt,
-            source_uri=document.uri,
-            doc_id=document.doc_id,
-            name=document.name,
-            content_sha256=document.content_sha256 or "",
-            parser=document.parser,
-            pages=None,
-            warnings=document.warnings,
-            metadata=document.metadata,
-            n_tokens=document.n_tokens,
-            n_segments=None if document.segments is None else len(document.segments),
         )
 
 

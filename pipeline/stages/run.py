@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 
 from connectors.engines.factory import EngineSpec
-from connectors.state.records import ErrorRecord
+from connectors.state.records import DocumentRecord, ErrorRecord
 from connectors.state.store import StateStore
 from operators.config import DocumentLimits, MethodConfig
 from operators.core.document import Document
@@ -77,6 +77,23 @@ class RunContext:
             return None
         alone = replace(self.method, reread_tokens=0)
         return chain_key(content_sha256, question, self.engine, alone)
+
+    def record_of(self, document: Document) -> DocumentRecord:
+        """The state store's row for a planned document (or collection) of this run."""
+        return DocumentRecord(
+            run_id=self.run_id,
+            attempt=self.attempt,
+            source_uri=document.uri,
+            doc_id=document.doc_id,
+            name=document.name,
+            content_sha256=document.content_sha256 or "",
+            parser=document.parser,
+            pages=document.pages,
+            warnings=document.warnings,
+            metadata=document.metadata,
+            n_tokens=document.n_tokens,
+            n_segments=None if document.segments is None else len(document.segments),
+        )
 
     def record_error(self, document: Document, stage: str, error_type: str, message: str) -> None:
         """The document leaves the stream: its errors row says where and why."""

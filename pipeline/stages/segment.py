@@ -12,7 +12,6 @@ import pyarrow as pa
 
 from connectors.engines.factory import EngineSpec, load_tokenizer
 from connectors.state.database import StateStoreError
-from connectors.state.records import DocumentRecord
 from operators.core.chain import ChainStatus
 from operators.core.document import Document, PlannedChain, documents_of, documents_table
 from operators.core.segmentation import segment, tokenize
@@ -107,26 +106,10 @@ class SegmentStage:
             segments = tuple(segment(tokenized, tokenizer, self.run.method.segmentation()))
             n_tokens = tokenized.n_tokens
         planned = replace(document, text=None, n_tokens=n_tokens, segments=segments)
-        statuses = store.plan_document(self._record(planned), chains)
+        statuses = store.plan_document(self.run.record_of(planned), chains)
         if original is not None or answered:
             return None  # planned (its answers rows), not run
         return replace(
             planned,
             chains=tuple(replace(chain, status=statuses.get(chain.chain_key)) for chain in chains),
-        )
-
-    def _record(self, document: Document) -> DocumentRecord:
-        return DocumentRecord(
-            run_id=self.run.run_id,
-            attempt=self.run.attempt,
-            source_uri=document.uri,
-            doc_id=document.doc_id,
-            name=document.name,
-            content_sha256=document.content_sha256 or "",
-            parser=document.parser,
-            pages=document.pages,
-            warnings=document.warnings,
-            metadata=document.metadata,
-            n_tokens=document.n_tokens,
-            n_segments=None if document.segments is None else len(document.segments),
         )
