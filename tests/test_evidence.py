@@ -433,6 +433,18 @@ def test_a_date_question_needs_the_date_printed(answer: str, why: str):
     assert not grounding.grounded and why in grounding.reason
 
 
+def test_a_title_question_needs_an_answer_that_names_a_kind_of_document():
+    """The party's name is found beside "Agreement", which grounds it for other questions."""
+    question = "What is the title of this agreement?"
+    party = find_evidence(question, "Greenfield Analytics, Inc.", "", CONTRACT_SEGMENTS)
+    assert not party.grounded and "names no kind of document" in party.reason
+    assert find_evidence(
+        "Who is this agreement with?", "Greenfield Analytics, Inc.", "", CONTRACT_SEGMENTS
+    ).grounded
+    title = find_evidence(question, "Master Services Agreement", "", CONTRACT_SEGMENTS)
+    assert "kind of document" not in title.reason
+
+
 def test_an_answer_led_in_by_that_is_located_without_it():
     """ "Therefore, the answer is that ..." leaves "that" before a verbatim source line."""
     log = (

@@ -54,6 +54,10 @@ in the answer: "the Effective Date" is not grounded. An answer that states one d
 by value (`operators.core.dates`): by the general rule, applied to each spelling the document
 prints that date in ("May 16, 2017" where the contract reads "16th day of May, 2017").
 
+A question that asks for a document's title ("What is the title of this agreement?") needs an
+answer that names a kind of document (`DOCUMENT_KINDS`: "Outsourcing Agreement"): a party's
+name or a signatory's "Title: Director", found beside the question's terms, is not a title.
+
 In every case the evidence also shows where the final memory's most relevant sentences came
 from (matches="memory", fuzzy score at least `min_score`; the initial memory and dropped-lines
 markers are skipped).
@@ -140,6 +144,17 @@ PERIOD_WORDS = frozenset(_PERIOD_WORDS_TEXT.split())
 # Words that name a kind of line, not which one: page titles print them above whole tables
 # ("SEGMENT RESULTS OF OPERATIONS"), so they tell no row apart.
 KIND_WORDS = frozenset({"segment", "segments"})
+# What a title names: "Outsourcing Agreement", "Promissory Note", "Statement of Work".
+DOCUMENT_KINDS = re.compile(
+    r"\b(?:agreements?|contracts?|amendments?|addend(?:um|a)|licen[cs]es?|leases?|plans?|"
+    r"memorand(?:um|a)|deeds?|indentures?|guarant(?:ee|y)s?|charters?|by-?laws|certificates?|"
+    r"consents?|letters?|notes?|terms|policy|policies|protocols?|statement of work|"
+    r"understanding|arrangements?|orders?|reports?|forms?)\b",
+    re.IGNORECASE,
+)
+_TITLE_QUESTION = re.compile(
+    r"\b(?:title|name)\s+of\s+(?:this|the)\s+(?:agreement|contract|document)\b", re.IGNORECASE
+)
 # What tells a table's period columns apart: a year, or the span of months.
 _PERIOD_KEYS = re.compile(r"\b(?:19|20)\d\d\b|\b(?:three|six|nine|twelve)\b")
 _SCALE_READINGS = (1.0, 1e3, 1e6, 1e9)  # a printed figure's scale is in a heading far away
@@ -290,11 +305,18 @@ def find_evidence(
                 "table row or sentence that names the question's terms: they may be another "
                 "line's figures."
             )
+    if grounded and asks_for_title(question) and not DOCUMENT_KINDS.search(answer or ""):
+        matches, grounded = [], False
+        reason = "The question asks for a title and the answer names no kind of document."
     evidence = [corpus.evidence(m, "answer", page_starts) for m in matches]
     if grounded:
         reason = _with_pages(reason, evidence)
     evidence += [corpus.evidence(m.match, "memory", page_starts) for m in memory]
     return Grounding(tuple(evidence[:max_items]), grounded, reason)
+
+
+def asks_for_title(question: str) -> bool:
+    return _TITLE_QUESTION.search(question) is not None
 
 
 def _ground_list(
