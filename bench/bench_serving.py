@@ -120,8 +120,9 @@ async def in_process_asker(settings: BenchSettings) -> AsyncIterator[Ask]:
     """The project's runner on a VLLMEngine in this process, as `memstream ask` uses it."""
     from connectors.engines.factory import EngineSpec, load_tokenizer, open_engine
     from operators.core.chain import ChainStatus
+    from operators.core.document import Document
     from operators.runner import ChainRunner
-    from pipeline.ask import DocumentInput, prepare
+    from pipeline.ask import prepare
 
     spec = EngineSpec(**engine_spec(settings))
     method = method_config(settings)
@@ -131,7 +132,12 @@ async def in_process_asker(settings: BenchSettings) -> AsyncIterator[Ask]:
 
     async def ask(index: int) -> bool:
         text, question = document(index)
-        prepared = prepare(DocumentInput(f"doc-{index}", text), [question], tokenizer, method)
+        prepared = prepare(
+            Document(uri=f"doc-{index}", name=f"doc-{index}", text=text),
+            [question],
+            tokenizer,
+            method,
+        )
         (result,) = await runner.run(prepared.chains)
         return result.status == ChainStatus.DONE
 

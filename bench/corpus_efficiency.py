@@ -194,7 +194,7 @@ def build_chains(
     if unreadable:
         raise RuntimeError(f"cannot read the generated corpus: {unreadable}")
     questions = {str(document.path): document.questions for document in corpus}
-    prepared = [prepare(d, questions[d.doc_id], tokenizer, method) for d in readable]
+    prepared = [prepare(d, questions[d.uri], tokenizer, method) for d in readable]
     return [chain for document in prepared for chain in document.chains]
 
 

@@ -17,10 +17,11 @@ import common
 
 from connectors.engines.factory import EngineSpec, load_tokenizer, open_engine
 from operators.config import MethodConfig
+from operators.core.document import Document
 from operators.core.extraction import string_match_any
 from operators.runner import ChainRunner
 from pipeline import democorpus
-from pipeline.ask import DocumentInput, answer, prepare
+from pipeline.ask import answer, prepare
 from pipeline.cli.env import collect
 
 
@@ -36,7 +37,9 @@ async def main(model: str, scale: float, templates: list[str], chunk_size: int) 
         )
         for document in documents:
             questions = [fact.question for fact in document.facts]
-            doc_input = DocumentInput(f"{template}|{document.name}", document.text)
+            doc_input = Document(
+                uri=f"{template}|{document.name}", name=document.name, text=document.text
+            )
             prepared.append(prepare(doc_input, questions, tokenizer, method))
             origins.append((template, document))
     started = time.perf_counter()
@@ -49,7 +52,7 @@ async def main(model: str, scale: float, templates: list[str], chunk_size: int) 
     formatted: dict[str, int] = {}
     grounded: dict[str, list[tuple[bool, bool]]] = {}  # (grounded, correct) per answer given
     for ready, (template, document) in zip(prepared, origins, strict=True):
-        for fact, result in zip(document.facts, results[ready.doc_id], strict=True):
+        for fact, result in zip(document.facts, results[ready.uri], strict=True):
             correct = result.answer is not None and bool(
                 string_match_any(result.answer, [fact.answer])
             )

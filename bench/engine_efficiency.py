@@ -29,9 +29,10 @@ from common import (
 
 from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig, chat_prompt_ids
 from operators.config import MethodConfig
+from operators.core.document import Document
 from operators.engine import Completion, GenerationRequest
 from operators.runner import ChainRunner
-from pipeline.ask import DocumentInput, PreparedDocument, prepare
+from pipeline.ask import PreparedDocument, prepare
 
 FULL_LENGTHS = "4000,8000,16000,32000,64000,200000"  # mixed lengths, as a real archive has
 
@@ -77,7 +78,7 @@ def build(
 ) -> list[PreparedDocument]:
     asked = [f"What is said about topic {q}?" for q in range(questions)]
     return [
-        prepare(DocumentInput(doc_id, text), asked, tokenizer, method)
+        prepare(Document(uri=doc_id, name=doc_id, text=text), asked, tokenizer, method)
         for doc_id, text in documents_of_lengths(tokenizer, lengths)
     ]
 

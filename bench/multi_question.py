@@ -17,8 +17,9 @@ from typing import Any
 
 import common
 
+from operators.core.document import Document
 from operators.runner import ChainRunner
-from pipeline.ask import DocumentInput, prepare
+from pipeline.ask import prepare
 
 TEMPLATES = ("memagent-reference", "segment-first")
 TOPICS = (
@@ -42,7 +43,9 @@ async def measure(args: Any, ks: list[int]) -> list[dict[str, Any]]:
         for index, k in enumerate(ks):
             for template in TEMPLATES[:: 1 if index % 2 == 0 else -1]:
                 method = common.bench_method(args, template)
-                document = prepare(DocumentInput(doc_id, text), questions(k), tokenizer, method)
+                document = prepare(
+                    Document(uri=doc_id, name=doc_id, text=text), questions(k), tokenizer, method
+                )
                 await engine.reset_prefix_cache()
                 runner = ChainRunner(engine, method.sampling())
                 run = await common.timed_run(runner, document.chains)

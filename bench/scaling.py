@@ -19,8 +19,9 @@ import common
 
 from connectors.engines.vllm_local import VLLMEngineConfig
 from operators.config import MethodConfig
+from operators.core.document import Document
 from operators.runner import ChainRunner
-from pipeline.ask import DocumentInput, prepare
+from pipeline.ask import prepare
 
 QUESTION = "What is this document about?"
 GIB = 1024**3
@@ -35,7 +36,9 @@ async def measure(
         runner = ChainRunner(engine, method.sampling())
         with common.PeakRss() as rss:
             for doc_id, text in common.documents_of_lengths(tokenizer, lengths):
-                document = prepare(DocumentInput(doc_id, text), [QUESTION], tokenizer, method)
+                document = prepare(
+                    Document(uri=doc_id, name=doc_id, text=text), [QUESTION], tokenizer, method
+                )
                 rss.reset()
                 run = await common.timed_run(runner, document.chains)
                 rows.append({

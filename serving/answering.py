@@ -1,7 +1,8 @@
 """Answering in the API replica: documents become chains, chains run against the engine.
 
 Both the synchronous answer and the jobs go through `DocumentPreparer` (the project's `prepare`:
-tokenize once, one chain per question) and the project's `ChainRunner`.
+tokenize once, one chain per question) and the project's `ChainRunner`. A document is the
+project's record (`operators.core.document.Document`), as `DocumentLoader` returns it.
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from operators.config import ConfigError, DocumentLimits, MethodConfig, check_context_fit
 from operators.core.chain import ChainStatus
+from operators.core.document import Document
 from operators.engine import Engine
 from operators.runner import ChainResult, ChainRunner, StepCallback
-from pipeline.ask import DocumentInput, PreparedDocument, prepare
-from serving.documents import InputError, LoadedDocument
+from pipeline.ask import PreparedDocument, prepare
+from serving.documents import InputError
 from serving.schemas import Answer, AnswerResponse, DocumentInfo, usage_of
 
 
@@ -35,31 +38,20 @@ class DocumentPreparer:
         self._lock = threading.Lock()
 
     async def prepare(
-        self,
-        doc_id: str,
-        text: str,
-        questions: Sequence[str],
-        method: MethodConfig,
-        page_starts: tuple[int, ...] = (),
+        self, document: Document, questions: Sequence[str], method: MethodConfig
     ) -> PreparedDocument:
-        return await asyncio.to_thread(self._prepare, doc_id, text, questions, method, page_starts)
+        """The document's chains, named after its uri (`{uri}#q{index}`)."""
+        return await asyncio.to_thread(self._prepare, document, questions, method)
 
     def _prepare(
-        self,
-        doc_id: str,
-        text: str,
-        questions: Sequence[str],
-        method: MethodConfig,
-        page_starts: tuple[int, ...],
+        self, document: Document, questions: Sequence[str], method: MethodConfig
     ) -> PreparedDocument:
         with self._lock:
             try:
                 check_context_fit(method, questions, self._tokenizer, self._max_model_len)
             except ConfigError as error:
                 raise InputError(422, str(error)) from None
-            prepared = prepare(
-                DocumentInput(doc_id, text, page_starts), questions, self._tokenizer, method
-            )
+            prepared = prepare(document, questions, self._tokenizer, method)
         if prepared.n_tokens > self._max_tokens:
             raise InputError(
                 413,
@@ -68,12 +60,12 @@ class DocumentPreparer:
         return prepared
 
 
-def document_info(loaded: LoadedDocument, prepared: PreparedDocument) -> DocumentInfo:
+def document_info(loaded: Document, prepared: PreparedDocument) -> DocumentInfo:
     return DocumentInfo(
         name=loaded.name,
-        parser=loaded.parsed.parser,
-        pages=loaded.parsed.pages,
-        warnings=list(loaded.parsed.warnings),
+        parser=loaded.parser,
+        pages=loaded.pages,
+        warnings=list(loaded.warnings),
         n_tokens=prepared.n_tokens,
         n_segments=len(prepared.segments),
     )
@@ -107,19 +99,16 @@ class SyncAnswerer:
 
     async def answer(
         self,
-        loaded: LoadedDocument,
+        loaded: Document,
         questions: Sequence[str],
         read_s: float,
         on_step: StepCallback | None = None,
     ) -> AnswerResponse:
         started = time.perf_counter()
-        # A fresh id per request keeps engine request ids unique across concurrent requests.
+        # Its chains are named after a fresh id per request, not after the document's source:
+        # that keeps engine request ids unique across concurrent requests.
         prepared = await self.preparer.prepare(
-            f"sync-{uuid.uuid4().hex}",
-            loaded.parsed.text,
-            questions,
-            self.method,
-            loaded.parsed.page_starts,
+            replace(loaded, uri=f"sync-{uuid.uuid4().hex}"), questions, self.method
         )
         prepared_at = time.perf_counter()
         runner = ChainRunner(self.engine, self.method.sampling())

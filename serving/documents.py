@@ -2,14 +2,14 @@
 
 `RequestReader` accepts JSON (`text` or `uri`) or multipart/form-data (`file`), checks the
 questions and the sizes, and refuses a URI the policy does not allow before anything is queued.
-`DocumentLoader` turns a `DocumentRequest` into text: the bytes it carries or the ones its URI
-holds, through the project's parsers.
+`DocumentLoader` turns a `DocumentRequest` into the project's document record
+(`operators.core.document.Document`) with its text: the bytes the request carries or the ones its
+URI holds, through the project's parsers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import posixpath
 from dataclasses import dataclass
@@ -20,8 +20,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from operators.config import DocumentLimits
+from operators.core.document import Document
 from operators.core.injection import instruction_warning
-from operators.parsing import ParsedText, ParseError, parse_document
+from operators.parsing import ParseError, parse_document
 from serving.config import LimitsConfig
 from serving.schemas import AnswerRequest
 from serving.uris import DocumentFetcher, FetchError, UriPolicy, UriRefused, redact_uri
@@ -54,13 +55,6 @@ class DocumentRequest:
         if self.uri is not None:
             return redact_uri(self.uri)
         return f"{'inline' if self.inline else 'upload'}:{self.name}"
-
-
-@dataclass(frozen=True)
-class LoadedDocument:
-    name: str
-    parsed: ParsedText
-    size: int  # bytes read
 
 
 class RequestReader:
@@ -171,7 +165,9 @@ class DocumentLoader:
         self.fetcher = fetcher
         self.limits = limits or DocumentLimits()
 
-    async def load(self, document: DocumentRequest) -> LoadedDocument:
+    async def load(self, document: DocumentRequest) -> Document:
+        """The request's document, parsed: its uri is the request's `source` (safe to show),
+        its size the bytes read, and its warnings the parser's and any instruction warning."""
         name, data, mime_type = document.name, document.data, document.mime_type
         if document.uri is not None:
             try:
@@ -191,9 +187,16 @@ class DocumentLoader:
             status = 413 if error.reason.startswith("too large") else 422
             raise InputError(status, f"cannot read {name}: {error.reason}") from None
         warning = instruction_warning(parsed.text)
-        if warning is not None:
-            parsed = dataclasses.replace(parsed, warnings=(*parsed.warnings, warning))
-        return LoadedDocument(name, parsed, len(data or b""))
+        return Document(
+            uri=document.source,
+            name=name,
+            size=len(data or b""),
+            text=parsed.text,
+            parser=parsed.parser,
+            pages=parsed.pages,
+            page_starts=parsed.page_starts,
+            warnings=parsed.warnings if warning is None else (*parsed.warnings, warning),
+        )
 
 
 def describe_validation_error(error: ValidationError) -> str:

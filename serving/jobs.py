@@ -17,6 +17,7 @@ import socket
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 
 from connectors.state.database import StateStoreError
 from connectors.state.records import ChainState, Checkpoint, JobInput, StepCheckpoint
@@ -24,6 +25,7 @@ from connectors.state.schema import FAILED, SUCCEEDED
 from connectors.state.store import StateStore
 from operators.config import MethodConfig, TemplateChanged
 from operators.core.chain import ChainStatus
+from operators.core.document import Document
 from operators.core.evidence import Grounding
 from operators.engine import Completion, Engine, GenerationRequest
 from operators.runner import ChainRunner
@@ -170,7 +172,7 @@ class JobRun:
             states, text = job.chains, job.text
         try:
             prepared = await self.worker.preparer.prepare(
-                job.job_id, text, job.questions, self.method
+                Document(uri=job.job_id, name=job.name, text=text), job.questions, self.method
             )
         except InputError as error:
             await asyncio.to_thread(
@@ -223,8 +225,9 @@ class JobRun:
         started = time.perf_counter()
         try:
             loaded = await self.worker.loader.load(request)
+            # named after the job, as when it resumes from its stored text
             prepared = await self.worker.preparer.prepare(
-                job.job_id, loaded.parsed.text, job.questions, self.method
+                replace(loaded, uri=job.job_id), job.questions, self.method
             )
         except InputError as error:
             await asyncio.to_thread(
@@ -238,7 +241,7 @@ class JobRun:
             self.store.save_job_document,
             job.job_id,
             self.owner,
-            loaded.parsed.text,
+            loaded.text,
             info,
             job.questions,
         )
@@ -247,7 +250,7 @@ class JobRun:
         planned = await asyncio.to_thread(self.store.load_job_input, job.job_id)
         if planned is None:
             return None
-        return planned.chains, loaded.parsed.text
+        return planned.chains, loaded.text
 
 
 class JobCheckpoints:

@@ -22,13 +22,14 @@ from operators.core.collection import (
     segment_collection,
     strip_labels,
 )
+from operators.core.document import Document
 from operators.core.evidence import find_evidence
 from operators.core.retrieval import render_passages, split_passages
 from operators.core.segmentation import SegmentationConfig
 from operators.core.templates import get_template_set
 from operators.engine import GenerationRequest
 from operators.runner import ChainRunner
-from pipeline.ask import DocumentInput, PreparedDocument, answer, prepare, prepare_collection
+from pipeline.ask import PreparedDocument, answer, prepare, prepare_collection
 
 QUESTION = "Which facts are there?"
 ALPHA = (
@@ -53,7 +54,7 @@ def members() -> list[Member]:
 def run(document: PreparedDocument, engine: FactEngine | None = None) -> FactEngine:
     engine = engine or FactEngine()
     runner = ChainRunner(engine, MethodConfig().sampling())
-    document.results = asyncio.run(answer(runner, [document]))[document.doc_id]  # type: ignore[attr-defined]
+    document.results = asyncio.run(answer(runner, [document]))[document.uri]  # type: ignore[attr-defined]
     return engine
 
 
@@ -195,7 +196,9 @@ def test_one_document_alone_reads_exactly_as_before() -> None:
     tokenizer = WordTokenizer()
     for template in ("memagent-reference", "verified-quotes"):
         config = method(template)
-        document = prepare(DocumentInput("a.txt", ALPHA), [QUESTION], tokenizer, config)
+        document = prepare(
+            Document(uri="a.txt", name="a.txt", text=ALPHA), [QUESTION], tokenizer, config
+        )
         assert all(piece.document is None for piece in document.segments)
         assert all(piece.shown_text == piece.text for piece in document.segments)
         engine = run(document)

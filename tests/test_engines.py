@@ -24,6 +24,7 @@ from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from connectors.processes import ServerNotReady, ServerProcess, free_port, http_ok
 from operators.config import MethodConfig
 from operators.core.chain import ChainStatus
+from operators.core.document import Document
 from operators.engine import (
     Completion,
     EngineError,
@@ -32,7 +33,7 @@ from operators.engine import (
     SamplingConfig,
 )
 from operators.runner import ChainRunner
-from pipeline.ask import DocumentInput, answer, prepare
+from pipeline.ask import answer, prepare
 from pipeline.job import JobSpec
 from tests.chat_server import JsonHandler
 from tests.processes import engine_cores
@@ -158,9 +159,14 @@ def test_runner_drives_chains_of_different_lengths_together(  # type: ignore[no-
     )
     short_text = "The lighthouse keeper is named Ada Brandt. " * 3
     documents = [
-        prepare(DocumentInput("long", long_text), ["What is the secret code?"], tokenizer, method),
         prepare(
-            DocumentInput("short", short_text),
+            Document(uri="long", name="long", text=long_text),
+            ["What is the secret code?"],
+            tokenizer,
+            method,
+        ),
+        prepare(
+            Document(uri="short", name="short", text=short_text),
             ["Who keeps the lighthouse?", "Is there a lighthouse?"],
             tokenizer,
             method,

@@ -236,7 +236,7 @@ def test_the_serve_path_refuses_the_same_inputs_with_their_reasons(name: str) ->
 
     async def load_and_prepare() -> int:
         loaded = await loader.load(DocumentRequest(name, (QUESTION,), data=content))
-        prepared = await preparer.prepare("d", loaded.parsed.text, (QUESTION,), METHOD)
+        prepared = await preparer.prepare(loaded, (QUESTION,), METHOD)
         return prepared.n_tokens
 
     if status is None:

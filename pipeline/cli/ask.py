@@ -19,10 +19,11 @@ from connectors.state.records import RunProgress
 from operators.config import MethodConfig, check_context_fit
 from operators.core.chain import ChainStatus, MemoryChain, StepRecord
 from operators.core.collection import ORDERS, Member, order_members, with_longest_header
+from operators.core.document import Document
 from operators.core.evidence import Evidence
 from operators.parsing import ParseError, parse_document
 from operators.runner import ChainResult, ChainRunner
-from pipeline.ask import DocumentInput, PreparedDocument, answer, prepare, prepare_collection
+from pipeline.ask import PreparedDocument, answer, prepare, prepare_collection
 from pipeline.cli import terminal
 from pipeline.cli.flags import (
     EXIT_PARTIAL_FAILURE,
@@ -133,31 +134,45 @@ def ask_files(
     return 0
 
 
-def read_documents(paths: Sequence[Path]) -> tuple[list[DocumentInput], dict[str, str]]:
-    documents: list[DocumentInput] = []
+def read_documents(paths: Sequence[Path]) -> tuple[list[Document], dict[str, str]]:
+    """The files that parse, as documents with their text (uri: the path as given), and why
+    each of the others cannot be read, by path."""
+    documents: list[Document] = []
     failures: dict[str, str] = {}
     for path in paths:
         try:
-            parsed = parse_document(path.read_bytes(), path.name)
+            data = path.read_bytes()
+            parsed = parse_document(data, path.name)
         except ParseError as error:
             failures[str(path)] = error.reason
         except OSError as error:
             failures[str(path)] = error.strerror or str(error)
         else:
-            documents.append(DocumentInput(str(path), parsed.text, parsed.page_starts))
+            documents.append(
+                Document(
+                    uri=str(path),
+                    name=path.name,
+                    size=len(data),
+                    text=parsed.text,
+                    parser=parsed.parser,
+                    pages=parsed.pages,
+                    page_starts=parsed.page_starts,
+                    warnings=parsed.warnings,
+                )
+            )
     return documents, failures
 
 
-def collection_members(documents: Sequence[DocumentInput]) -> list[Member]:
+def collection_members(documents: Sequence[Document]) -> list[Member]:
     """The files read as one collection: each named by its file name (its path where two
     share a name), with its modification time for `--order-by mtime`."""
-    paths = [Path(document.doc_id) for document in documents]
+    paths = [Path(document.uri) for document in documents]
     names = [path.name for path in paths]
     return [
         Member(
-            document.doc_id,
+            document.uri,
             path.name if names.count(path.name) == 1 else str(path),
-            document.text,
+            document.text or "",
             document.page_starts,
             path.stat().st_mtime,
         )
@@ -206,10 +221,10 @@ def print_answers(
         print(line, file=out)
 
     for document in prepared:
-        say(f"{document.doc_id}  ({len(document.segments)} segments, {document.n_tokens:,} tokens)")
+        say(f"{document.uri}  ({len(document.segments)} segments, {document.n_tokens:,} tokens)")
         for ref in document.documents:  # a collection's documents, in reading order
             say(f"  {ref.label}")
-        for result in results[document.doc_id]:
+        for result in results[document.uri]:
             say(f"  Q: {result.question}")
             if result.status != ChainStatus.DONE:
                 say(f"  failed: {result.error}")
@@ -245,10 +260,10 @@ def as_records(
 ) -> list[dict[str, Any]]:
     records = []
     for document in prepared:
-        for result in results[document.doc_id]:
+        for result in results[document.uri]:
             records.append(
                 {
-                    "document": document.doc_id,
+                    "document": document.uri,
                     "question": result.question,
                     "answer": result.answer,
                     "status": result.status.answer_status,

@@ -36,6 +36,7 @@ from operators.core.collection import (
     order_members,
     segment_collection,
 )
+from operators.core.document import Document
 from operators.core.evidence import find_evidence, text_segments
 from operators.core.extraction import extract_answer, strip_thinking
 from operators.core.retrieval import render_passages, select_passages, split_passages
@@ -49,7 +50,7 @@ from operators.core.segmentation import (
 from operators.core.templates import defang, get_template_set
 from operators.engine import Engine, GenerationRequest, SamplingConfig
 from operators.runner import ChainRunner
-from pipeline.ask import DocumentInput, PreparedDocument, prepare, prepare_collection
+from pipeline.ask import PreparedDocument, prepare, prepare_collection
 from pipeline.evaluation.checkpoints import EvalCheckpoints
 from pipeline.evaluation.combined import build_combine_prompt, render_answers
 from pipeline.evaluation.direct import DIRECT_TEMPLATE, build_direct_prompt, chat_overhead_tokens
@@ -382,9 +383,8 @@ def prepare_sample(sample: EvalSample, tokenizer: Any, config: MethodConfig) -> 
         return prepare_collection(
             sample.sample_id, sample.documents, [sample.question], tokenizer, config
         )
-    return prepare(
-        DocumentInput(sample.sample_id, sample.document), [sample.question], tokenizer, config
-    )
+    document = Document(uri=sample.sample_id, name=sample.sample_id, text=sample.document)
+    return prepare(document, [sample.question], tokenizer, config)
 
 
 def _stored_prediction(
