@@ -97,6 +97,39 @@ def test_orders_as_listed_by_name_or_by_modification_time() -> None:
         order_members([Member("a", "a", "text")], "mtime")
 
 
+def test_orders_by_a_metadata_field_ties_keeping_the_listed_order() -> None:
+    def filed(*values: object) -> list[Member]:
+        return [
+            Member(f"docs/{i}.txt", f"{i}.txt", "text", metadata={} if v is None else {"filed": v})
+            for i, v in enumerate(values)
+        ]
+
+    dates = order_members(
+        filed("2023-05-02", "2022-08-01", "2023-05-02", "2023-01-31"), "metadata.filed"
+    )
+    assert [(m.name, key) for m, key in dates] == [
+        ("1.txt", "filed 2022-08-01"),
+        ("3.txt", "filed 2023-01-31"),
+        ("0.txt", "filed 2023-05-02"),  # a tie: as listed
+        ("2.txt", "filed 2023-05-02"),
+    ]
+    assert combined_text(dates).startswith("## Document 1 of 4: 1.txt (filed 2022-08-01)\n")
+    numbers = order_members(filed(10, 9, 2.5), "metadata.filed")  # as numbers, not as text
+    assert [m.name for m, _ in numbers] == ["2.txt", "1.txt", "0.txt"]
+    mixed = order_members(filed(10, "9"), "metadata.filed")  # not all numbers: as text
+    assert [m.name for m, _ in mixed] == ["0.txt", "1.txt"]
+    (long,) = order_members(filed("a  long\nvalue " * 10), "metadata.filed")
+    assert long[1].startswith("filed a long value a long") and len(long[1]) == len("filed ") + 40
+
+    with pytest.raises(ValueError, match=r"^no metadata\.filed for 1\.txt, 3\.txt$"):
+        order_members(filed("2023", None, "2022", None), "metadata.filed")
+    with pytest.raises(ValueError, match=r"no metadata\.filed for 0\.txt"):
+        order_members([Member("a", "0.txt", "text", metadata={"filed": None})], "metadata.filed")
+    for refused in ("metadata.", "metadata. ", "date", "meta.filed"):
+        with pytest.raises(ValueError, match=r"order_by must be one of .* or metadata\.<key>"):
+            order_members(filed("2023"), refused)
+
+
 def test_each_document_is_headed_and_the_memory_carries_across() -> None:
     document = prepare_collection(
         "c", members(), [QUESTION], WordTokenizer(), method(), order_by="mtime"

@@ -17,6 +17,7 @@ import atexit
 import json
 import os
 import re
+import sqlite3
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -25,9 +26,11 @@ from typing import Any, NamedTuple
 import pandas as pd
 import pytest
 
+from connectors.base import Source
 from connectors.engines.factory import EngineSpec
 from connectors.engines.fake import EngineCrash, FactEngine, WordTokenizer, tagged
 from connectors.local import LocalSource
+from connectors.sql import SqlSource
 from connectors.state.store import StateStore
 from operators.config import ConfigError, MethodConfig, check_context_fit
 from operators.core.collection import Member, order_members, with_longest_header
@@ -73,10 +76,11 @@ def run_stages(
     questions: tuple[Question, ...] = (),
     engine: FactEngine | None = None,
     spec: EngineSpec = SPEC,
+    source: Source | None = None,
 ) -> StagesRun:
-    """The job's stages over a folder, the collection branch beside the documents' one; the
-    memory stage opens `engine`, else a new FactEngine. A crash of the engine (EngineCrash)
-    comes out of here as it would kill the process."""
+    """The job's stages over a folder (or `source`), the collection branch beside the
+    documents' one; the memory stage opens `engine`, else a new FactEngine. A crash of the
+    engine (EngineCrash) comes out of here as it would kill the process."""
     from pipeline.stages import run as run_module
 
     store = StateStore(store_url)
@@ -85,7 +89,7 @@ def run_stages(
     context = RunContext(
         run_id, attempt, store_url, spec, METHOD, questions, collections=collections
     )
-    source = LocalSource([str(folder)])
+    source = source or LocalSource([str(folder)])
     parsed = ReadParseStage([source], context, keep_failed=True)(
         documents_table(source.documents())
     )
@@ -285,6 +289,57 @@ def test_a_collection_whose_headers_overflow_the_window_is_an_errors_row(
     assert "max_model_len" in run.errors["quarters"]["message"]
 
 
+def filings(tmp_path: Path, filed: dict[str, str | None]) -> SqlSource:
+    """The reports as rows of an SQLite table, each with its `filed` column (NULL for None)."""
+    database = tmp_path / "filings.sqlite"
+    with sqlite3.connect(database) as connection:
+        connection.execute("CREATE TABLE filings (id INTEGER, name TEXT, body TEXT, filed TEXT)")
+        connection.executemany(
+            "INSERT INTO filings VALUES (?, ?, ?, ?)",
+            [(i, name, REPORTS[name], filed[name]) for i, name in enumerate(REPORTS, 1)],
+        )
+    connection.close()
+    return SqlSource(
+        f"sqlite:///{database}",
+        "SELECT id, name, body, filed FROM filings",
+        text_column="body",
+        name_column="name",
+        metadata_columns=["filed"],
+    )
+
+
+def test_members_are_read_in_the_order_of_a_source_field(tmp_path: Path, store_url: str) -> None:
+    dates = {"2023-q1.txt": "2023-08-04", "2023-q2.txt": "2023-02-03", "2023-q3.txt": "2023-05-05"}
+    source = filings(tmp_path, dict(dates))
+    run = run_stages(tmp_path, store_url, "run-1", (quarters("metadata.filed"),), source=source)
+    assert not run.errors and run.answers["quarters"]["status"] == "done"
+    assert run.engine is not None
+    assert [h for h in headers_read(run.engine) if "continued" not in h] == [
+        "## Document 1 of 3: 2023-q2.txt (filed 2023-02-03)",
+        "## Document 2 of 3: 2023-q3.txt (filed 2023-05-05)",
+        "## Document 3 of 3: 2023-q1.txt (filed 2023-08-04)",
+    ]
+    documents = {item.get("document") for item in json.loads(run.answers["quarters"]["evidence"])}
+    assert documents == {"doc 1: 2023-q2.txt, filed 2023-02-03"}
+
+
+def test_a_collection_whose_member_lacks_the_order_field_is_an_errors_row(
+    tmp_path: Path, store_url: str
+) -> None:
+    dates = {"2023-q1.txt": "2023-08-04", "2023-q2.txt": None, "2023-q3.txt": "2023-05-05"}
+    source = filings(tmp_path, dates)
+    by_name = replace(quarters("name"), name="by-name")
+    run = run_stages(
+        tmp_path, store_url, "run-1", (quarters("metadata.filed"), by_name), source=source
+    )
+    error = run.errors["quarters"]
+    where = (error["source_uri"], error["stage"], error["error_type"])
+    assert where == ("collection:quarters", "collection", "NoOrderKey")
+    assert error["message"] == "no metadata.filed for 2023-q2.txt"
+    # the job goes on: the other collection is answered
+    assert set(run.answers) == {"by-name"} and run.answers["by-name"]["status"] == "done"
+
+
 def test_the_spec_names_collections_and_their_keys() -> None:
     def job(**fields: Any) -> JobSpec:
         return JobSpec.from_dict({"sources": ["a"], "output": "o", **fields})
@@ -310,8 +365,14 @@ def test_the_spec_names_collections_and_their_keys() -> None:
         JobSpec.from_dict({"sources": ["a"], "output": "o", "questions": ["Why?"]}),
         resolve_questions(plain),
     )
-    with pytest.raises(JobError, match=r"collections\.0\.order_by: Input should be 'listed'"):
-        job(collections=[{"name": "x", "questions": ["Q?"], "order_by": "date"}])
+    by_field = job(collections=[{"name": "x", "questions": "Q?", "order_by": "metadata.filed"}])
+    assert resolve_collections(by_field)[0].order_by == "metadata.filed"
+    for refused in ("date", "metadata.", "metadata. ", "Name"):
+        with pytest.raises(
+            JobError,
+            match=r"collections\.0\.order_by: order_by must be one of listed, name, mtime ",
+        ):
+            job(collections=[{"name": "x", "questions": ["Q?"], "order_by": refused}])
     with pytest.raises(JobError, match=r"collections\.0\.questions: .*at least 1 item"):
         job(collections=[{"name": "x", "questions": []}])
     with pytest.raises(JobError, match="collection names must differ: x named twice"):

@@ -16,11 +16,12 @@ A document read alone has no `DocumentRef`: its prompts and chain keys are uncha
 from __future__ import annotations
 
 import hashlib
+import math
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from operators.core.segmentation import (
     DocumentRef,
@@ -31,8 +32,12 @@ from operators.core.segmentation import (
     tokenize,
 )
 
+# The orders of local files (`ask --across --order-by`); a job's collection may also be ordered
+# by a field of its source (`metadata.<key>`: an SQL or dataset column, an S3 object's).
 OrderBy = Literal["listed", "name", "mtime"]
 ORDERS: tuple[str, ...] = get_args(OrderBy)
+METADATA_ORDER = "metadata."
+_SHOWN_VALUE = 40  # characters of a metadata value a header shows
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class Member:
     text: str
     page_starts: tuple[int, ...] = ()
     mtime: float | None = None  # seconds since the epoch (local files)
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # its source's fields
 
 
 @dataclass(frozen=True)
@@ -53,21 +59,62 @@ class CollectionSegments:
     documents: tuple[DocumentRef, ...]  # in reading order
 
 
+def check_order_by(order_by: str) -> None:
+    """Refuses (ValueError) an order other than those of `ORDERS` or `metadata.<key>` with a
+    key: the one rule a job's spec and `order_members` both apply."""
+    if order_by in ORDERS or metadata_key(order_by).strip():
+        return
+    raise ValueError(
+        f"order_by must be one of {', '.join(ORDERS)} or metadata.<key> (<key>: a field of "
+        f"the source), got {order_by!r}"
+    )
+
+
+def metadata_key(order_by: str) -> str:
+    """The metadata field `order_by` names ("metadata.filed" -> "filed"), "" when none."""
+    return order_by.removeprefix(METADATA_ORDER) if order_by.startswith(METADATA_ORDER) else ""
+
+
 def order_members(members: Sequence[Member], order_by: str) -> list[tuple[Member, str]]:
     """The members in reading order, each with the order key its label shows: none when
     listed (the position is the order), none by name (the name is the key), the modification
-    day (UTC) by mtime. Ties keep the listed order."""
-    if order_by not in ORDERS:
-        raise ValueError(f"order_by must be one of {', '.join(ORDERS)}, got {order_by!r}")
+    day (UTC) by mtime, "<key> <value>" by metadata.<key>. Ties keep the listed order. A member
+    without the order's value (no mtime; no such field, or a null one) is a ValueError naming it.
+    """
+    check_order_by(order_by)
     if order_by == "listed":
         return [(member, "") for member in members]
     if order_by == "name":
         return [(member, "") for member in sorted(members, key=lambda m: m.name)]
-    missing = [member.name for member in members if member.mtime is None]
+    if order_by == "mtime":
+        missing = [member.name for member in members if member.mtime is None]
+        if missing:
+            raise ValueError(f"no modification time for {', '.join(missing)}")
+        ordered = sorted(members, key=lambda m: m.mtime or 0.0)
+        return [(member, f"modified {_day(member.mtime or 0.0)}") for member in ordered]
+    return _by_metadata(members, metadata_key(order_by))
+
+
+def _by_metadata(members: Sequence[Member], key: str) -> list[tuple[Member, str]]:
+    """Sorted by the field `key`: as numbers when every value is one, else as text (ISO dates
+    sort as text)."""
+    values = [member.metadata.get(key) for member in members]
+    missing = [m.name for m, value in zip(members, values, strict=True) if _is_null(value)]
     if missing:
-        raise ValueError(f"no modification time for {', '.join(missing)}")
-    ordered = sorted(members, key=lambda m: m.mtime or 0.0)
-    return [(member, f"modified {_day(member.mtime or 0.0)}") for member in ordered]
+        raise ValueError(f"no metadata.{key} for {', '.join(missing)}")
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    order = sorted(range(len(members)), key=lambda i: values[i] if numbers else str(values[i]))
+    return [(members[i], f"{key} {_shown(values[i])}") for i in order]
+
+
+def _is_null(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _shown(value: Any) -> str:
+    """A value as a header shows it: on one line, cut to `_SHOWN_VALUE` characters."""
+    text = " ".join(str(value).split())
+    return text if len(text) <= _SHOWN_VALUE else text[: _SHOWN_VALUE - 1] + "…"
 
 
 def _day(timestamp: float) -> str:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from connectors.engines.factory import EngineSpec
 from connectors.output import S3_MAX_ATTEMPTS
@@ -21,7 +21,7 @@ from operators.config import (
     parse_config,
     with_default_template,
 )
-from operators.core.collection import OrderBy
+from operators.core.collection import check_order_by
 from operators.core.settings import Flag
 
 
@@ -97,6 +97,11 @@ class ConcurrencySpec:
             raise ValueError("num_gpus and num_cpus cannot be negative")
 
 
+def _checked_order_by(order_by: str) -> str:
+    check_order_by(order_by)
+    return order_by
+
+
 @dataclass(frozen=True)
 class CollectionSpec:
     """Documents read together, in order, by one memory chain per question: a question that
@@ -129,10 +134,13 @@ class CollectionSpec:
         ),
     ] = None
     order_by: Annotated[
-        OrderBy,
+        str,
+        AfterValidator(_checked_order_by),
         Field(
             description="the reading order; listed: by the `documents` globs as written, then by "
-            "name within a glob; name: by name; mtime: oldest first (local files)"
+            "name within a glob; name: by name; mtime: oldest first (local files); "
+            "metadata.<key>: by the source's field <key> (an SQL or dataset column in "
+            "`metadata_columns`, an S3 object's `last_modified`), lowest first"
         ),
     ] = "listed"
 
@@ -141,6 +149,7 @@ class CollectionSpec:
             raise ValueError("a collection's name is empty")
         if not any(question.strip() for question in self.questions):
             raise ValueError(f"collection {self.name!r} asks no question")
+        check_order_by(self.order_by)  # built in Python, not from YAML: checked here
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ header and text, in order) with the question, model and method, so an unchanged 
 answered once, and a changed, added, removed or reordered member runs it anew. Its answers rows
 have the collection's name in `name` and `collection:<name>` in `source_uri`; a member that could
 not be read or parsed is an errors row of its own, and the collection is read without it, a
-warning on its answers rows saying so.
+warning on its answers rows saying so. A collection ordered by a key some member lacks (its
+`mtime`, its `metadata.<key>`) is an errors row (`NoOrderKey`) naming those members.
 """
 
 from __future__ import annotations
@@ -117,10 +118,24 @@ class CollectionStage:
             message = "no member could be read" if skipped else "no document matches"
             self.run.record_error(anchor, "collection", "NoMember", message)
             return None
-        ordered = order_members(
-            [Member(d.uri, d.name, d.text or "", d.page_starts, _mtime(d.metadata)) for d in read],
-            collection.order_by,
-        )
+        try:  # a member without the order's key (its mtime, its metadata.<key>)
+            ordered = order_members(
+                [
+                    Member(
+                        d.uri,
+                        d.name,
+                        d.text or "",
+                        d.page_starts,
+                        mtime=_mtime(d.metadata),
+                        metadata=d.metadata,
+                    )
+                    for d in read
+                ],
+                collection.order_by,
+            )
+        except ValueError as error:
+            self.run.record_error(anchor, "collection", "NoOrderKey", str(error))
+            return None
         content = collection_sha256(ordered)
         store = open_store(self.run.store_url)
         original = store.document_with_content(
