@@ -31,10 +31,13 @@ from connectors.engines.factory import EngineSpec
 from connectors.engines.fake import EngineCrash, FactEngine, WordTokenizer, tagged
 from connectors.local import LocalSource
 from connectors.sql import SqlSource
+from connectors.state.records import Checkpoint, DocumentRecord
 from connectors.state.store import StateStore
 from operators.config import ConfigError, MethodConfig, check_context_fit
+from operators.core.chain import ChainStatus
 from operators.core.collection import Member, order_members, with_longest_header
-from operators.core.document import documents_table
+from operators.core.document import PlannedChain, documents_table
+from operators.core.segmentation import Segment
 from pipeline.job import JobError, JobSpec, run_job
 from pipeline.job.plan import derive_job_key, resolve_collections, resolve_questions
 from pipeline.stages.collection import CollectionMembers, CollectionStage
@@ -77,15 +80,18 @@ def run_stages(
     engine: FactEngine | None = None,
     spec: EngineSpec = SPEC,
     source: Source | None = None,
+    archive: str | None = None,
 ) -> StagesRun:
     """The job's stages over a folder (or `source`), the collection branch beside the
     documents' one; the memory stage opens `engine`, else a new FactEngine. A crash of the
-    engine (EngineCrash) comes out of here as it would kill the process."""
+    engine (EngineCrash) comes out of here as it would kill the process. With `archive`, the
+    run is one of the runs over that archive key: compared with the previous one (what it
+    supersedes) and finished, as `run_job` does."""
     from pipeline.stages import run as run_module
 
     store = StateStore(store_url)
     store.migrate()
-    attempt = store.begin_run(run_id, {"test": "collections"}).attempt
+    attempt = store.begin_run(run_id, {"test": "collections"}, archive_key=archive).attempt
     context = RunContext(
         run_id, attempt, store_url, spec, METHOD, questions, collections=collections
     )
@@ -112,6 +118,9 @@ def run_stages(
     finally:
         stage.close()
         atexit.unregister(stage.close)
+    if archive is not None:
+        store.supersede_previous(run_id, attempt)
+        store.finish_run(run_id, "done")
     answers = {row["name"]: row for row in store.answers(run_id, attempt)}
     errors = {row["name"]: row for row in store.errors(run_id, attempt)}
     store.close()
@@ -219,6 +228,116 @@ def test_a_collection_chain_killed_in_step_k_resumes_there(reports: Path, store_
     # its first step read the memory checkpointed after doc 2, not the initial one
     assert "fact-iphone" in str(tagged(resumed.engine.requests[0].prompt, "memory"))
     assert "fact-iphone" in resumed.answers["quarters"]["answer"]
+
+
+def without_chain(row: dict[str, Any]) -> dict[str, Any]:
+    """A trajectory row but for the run and the chain it is listed under."""
+    return {name: value for name, value in row.items() if name not in ("run_id", "chain_key")}
+
+
+def test_a_grown_collection_continues_from_the_memory_after_its_last_member(
+    reports: Path, store_url: str
+) -> None:
+    third = reports / "2023-q3.txt"
+    third.unlink()
+    first = run_stages(reports, store_url, "run-1", (quarters(),), archive="reports")
+    before = first.answers["quarters"]
+    assert before["status"] == "done" and "fact-iphone" in before["final_memory"]
+
+    third.write_text(REPORTS["2023-q3.txt"])  # one more quarter, after the last one in order
+    grown = run_stages(reports, store_url, "run-2", (quarters(),), archive="reports")
+    assert grown.engine is not None
+    requests, read = grown.engine.requests, headers_read(grown.engine)
+    # its model calls: the third member's segments, then the answer
+    assert read and all(header.startswith("## Document 3 of 3: 2023-q3.txt") for header in read)
+    assert len(requests) == len(read) + 1
+    # from the memory run-1 ended the second member with
+    assert tagged(requests[0].prompt, "memory") == before["final_memory"]
+    row = grown.answers["quarters"]
+    assert row["chain_key"] != before["chain_key"] and row["answered_in_run"] == "run-2"
+    assert row["status"] == "done" and "fact-iphone" in row["answer"]
+    carried = before["n_segments"]  # run-1's update steps
+    (result,) = grown.results
+    assert (result["start_step"], result["steps_run"]) == (carried, len(requests))
+    assert json.loads(row["warnings"]) == [
+        f"continued from run run-1: members 1-2 unchanged, the {carried} steps that read them "
+        "carried over from its chain (q0); read from member 3 of 3"
+    ]
+
+    store = StateStore(store_url)
+    old, new = list(store.trajectory("run-1", 1)), list(store.trajectory("run-2", 1))
+    # the new chain's trajectory is whole: run-1's steps over the first members, as they were
+    assert [r["step"] for r in new] == list(range(row["n_segments"] + 1))
+    assert [without_chain(r) for r in new[:carried]] == [without_chain(r) for r in old[:carried]]
+    assert {r["chain_key"] for r in new} == {row["chain_key"]}
+    superseded = [(r["chain_key"], r["change"]) for r in store.superseded("run-2", 1)]
+    assert superseded == [(before["chain_key"], "changed")]
+    store.close()
+
+    # unchanged since: answered once, and its rows still say what was carried over
+    again = run_stages(reports, store_url, "run-3", (quarters(),), archive="reports")
+    assert again.engine is None and again.answers["quarters"]["answered_in_run"] == "run-2"
+    assert again.answers["quarters"]["warnings"] == row["warnings"]
+
+
+def test_a_change_earlier_in_the_order_reads_again_from_the_changed_member(
+    reports: Path, store_url: str
+) -> None:
+    first = run_stages(reports, store_url, "run-1", (quarters(),), archive="reports")
+    assert first.engine is not None
+    after_first = [
+        r["memory_after"]
+        for r, header in zip(
+            StateStore(store_url).trajectory("run-1", 1), headers_read(first.engine), strict=False
+        )
+        if header.startswith("## Document 1 of 3")
+    ][-1]
+
+    (reports / "2023-q2.txt").write_text("The second quarter report says fact-ipad grew plainly.")
+    second = run_stages(reports, store_url, "run-2", (quarters(),), archive="reports")
+    assert second.engine is not None
+    read = headers_read(second.engine)
+    assert read[0] == "## Document 2 of 3: 2023-q2.txt"
+    assert not any(header.startswith("## Document 1 of") for header in read)
+    assert tagged(second.engine.requests[0].prompt, "memory") == after_first
+    row = second.answers["quarters"]
+    assert "fact-ipad" in row["answer"] and "fact-iphone" not in row["answer"]
+    assert "member 1 unchanged" in row["warnings"] and "read from member 2 of 3" in row["warnings"]
+
+    (reports / "2023-q1.txt").write_text("The first quarter report names fact-mac at once.")
+    third = run_stages(reports, store_url, "run-3", (quarters(),), archive="reports")
+    assert third.engine is not None
+    (result,) = third.results
+    assert (result["start_step"], result["steps_run"]) == (0, result["n_steps"])
+    assert headers_read(third.engine)[0] == "## Document 1 of 3: 2023-q1.txt"
+    assert json.loads(third.answers["quarters"]["warnings"]) == []
+    assert "fact-mac" in third.answers["quarters"]["answer"]
+
+
+def test_a_chain_is_continued_only_over_the_segments_its_predecessor_read(
+    reports: Path, store_url: str
+) -> None:
+    first = run_stages(reports, store_url, "run-1", (quarters(),))
+    from_key = first.answers["quarters"]["chain_key"]
+    store = StateStore(store_url)
+    read = [
+        Segment("d", r["segment_index"], r["token_start"], r["token_end"], r["char_start"],
+                r["char_end"], "")
+        for r in store.trajectory("run-1", 1) if r["kind"] == "update"
+    ]  # fmt: skip
+    record = DocumentRecord("run-1", 1, "collection:other", "other", "other", "0" * 64,
+                            "collection", None, (), {}, 10, len(read) + 1)  # fmt: skip
+    store.plan_document(record, [PlannedChain("k" * 64, "q0", QUESTION)])
+    shifted = [replace(piece, char_end=piece.char_end + 1) for piece in read[:2]]
+    assert not store.continue_chain("k" * 64, from_key, shifted)
+    assert not store.continue_chain("k" * 64, from_key, read[1:3])  # not its first segments
+    assert store.load_checkpoint("k" * 64) == Checkpoint(ChainStatus.PENDING, 0, None)
+    assert store.continue_chain("k" * 64, from_key, read[:2])
+    memory = list(store.trajectory("run-1", 1))[1]["memory_after"]
+    assert store.load_checkpoint("k" * 64) == Checkpoint(ChainStatus.PENDING, 2, memory)
+    assert store.carried_steps("k" * 64, from_key) == 2
+    assert not store.continue_chain("k" * 64, from_key, read[:2])  # it has run steps now
+    store.close()
 
 
 def test_document_chain_keys_do_not_change_beside_a_collection(

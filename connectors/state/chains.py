@@ -3,25 +3,29 @@ writes it is made of, which the Serve job queue makes inside its own transaction
 
 Every model call is one `steps` row, written in the same transaction that advances its chain's
 checkpoint (`chains.step`, `chains.memory`), so after a crash a chain resumes from its last
-written step and its trajectory has no gap and no duplicate.
+written step and its trajectory has no gap and no duplicate. A chain may also start where
+another stood after the same first segments (`continue_chain`: a grown collection goes on from
+its previous chain's memory), with that chain's `steps` rows over them copied as they are.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import and_, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from connectors.state.database import Database, reconnecting, upsert
 from connectors.state.records import Checkpoint, StepCheckpoint
 from connectors.state.schema import chains, groundings, rejected_quotes, steps
-from operators.core.chain import ChainStatus
+from operators.core.chain import ChainStatus, StepKind
 from operators.core.document import PlannedChain
 from operators.core.evidence import Grounding
+from operators.core.segmentation import Segment
 
 
 class ChainStore(Database):
@@ -82,6 +86,92 @@ class ChainStore(Database):
         with self._write() as connection:
             write_grounding(connection, chain_key, grounding)
         return True
+
+    @reconnecting
+    def continue_chain(self, chain_key: str, from_key: str, segments: Sequence[Segment]) -> bool:
+        """Starts chain `chain_key`, which has run no step, where chain `from_key` stood after
+        reading `segments`, the first segments of both: `from_key`'s steps over them are copied
+        as they are (with their rejected quotes and times), and the chain's checkpoint is the
+        memory after the last of them, so `pipeline.resume` goes on from there as after a
+        crash. Only when `from_key`'s first steps read exactly these segments (the same index
+        and offsets, step by step). Returns whether the chain was continued."""
+        n_steps = len(segments)
+        if n_steps == 0:
+            return False
+        with self._write() as connection:
+            found = connection.execute(
+                select(chains.c.status, chains.c.step)
+                .where(chains.c.chain_key == chain_key)
+                .with_for_update()
+            ).first()
+            if found is None or found.step != 0 or found.status == ChainStatus.DONE.value:
+                return False
+            rows = (
+                connection.execute(
+                    select(steps)
+                    .where(steps.c.chain_key == from_key, steps.c.step < n_steps)
+                    .order_by(steps.c.step)
+                )
+                .mappings()
+                .all()
+            )
+            read = [
+                (row["step"], row["kind"], row["segment_index"], row["token_start"],
+                 row["token_end"], row["char_start"], row["char_end"])
+                for row in rows
+            ]  # fmt: skip
+            expected = [
+                (step, StepKind.UPDATE.value, piece.index, piece.token_start, piece.token_end,
+                 piece.char_start, piece.char_end)
+                for step, piece in enumerate(segments)
+            ]  # fmt: skip
+            if read != expected:
+                return False
+            connection.execute(insert(steps), [{**row, "chain_key": chain_key} for row in rows])
+            quotes = connection.execute(
+                select(rejected_quotes).where(
+                    rejected_quotes.c.chain_key == from_key, rejected_quotes.c.step < n_steps
+                )
+            ).mappings()
+            copied = [{**row, "chain_key": chain_key} for row in quotes]
+            if copied:
+                connection.execute(insert(rejected_quotes), copied)
+            connection.execute(
+                update(chains)
+                .where(chains.c.chain_key == chain_key)
+                .values(
+                    step=n_steps,
+                    memory=rows[-1]["memory_after"],
+                    prompt_tokens=sum(row["prompt_tokens"] for row in rows),
+                    completion_tokens=sum(row["completion_tokens"] for row in rows),
+                    compute_s=sum(row["latency_s"] for row in rows),
+                    updated_at=time.time(),
+                )
+            )
+        return True
+
+    @reconnecting
+    def carried_steps(self, chain_key: str, from_key: str) -> int:
+        """How many of chain `chain_key`'s steps are copies of chain `from_key`'s
+        (`continue_chain`): the same step with the same memory, written at the same time."""
+        mine, theirs = steps.alias("mine"), steps.alias("theirs")
+        query = (
+            select(func.count())
+            .select_from(
+                mine.join(
+                    theirs,
+                    and_(
+                        theirs.c.chain_key == from_key,
+                        theirs.c.step == mine.c.step,
+                        theirs.c.created_at == mine.c.created_at,
+                        theirs.c.memory_after == mine.c.memory_after,
+                    ),
+                )
+            )
+            .where(mine.c.chain_key == chain_key)
+        )
+        with self._read() as connection:
+            return connection.execute(query).scalar_one()
 
 
 def pending_chain_row(

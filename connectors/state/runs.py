@@ -321,6 +321,35 @@ class RunStore(Database):
             return connection.execute(query).scalar()
 
     @reconnecting
+    def previous_document(self, run_id: str, source_uri: str) -> DocumentRecord | None:
+        """The document at `source_uri` as the previous finished run over the run's archive
+        recorded it in its last attempt; None when there is no such run, or it had no such
+        document."""
+        previous = runs.alias("previous")
+        query = (
+            select(documents)
+            .select_from(
+                runs.join(previous, previous.c.run_id == runs.c.previous_run_id).join(
+                    documents,
+                    and_(
+                        documents.c.run_id == previous.c.run_id,
+                        documents.c.attempt == previous.c.attempt,
+                    ),
+                )
+            )
+            .where(runs.c.run_id == run_id, documents.c.source_uri == source_uri)
+        )
+        with self._read() as connection:
+            row = connection.execute(query).mappings().first()
+        if row is None:
+            return None
+        return DocumentRecord(
+            **{name: row[name] for name in _RECORD_COLUMNS},
+            warnings=tuple(json.loads(row["warnings"] or "[]")),
+            metadata=json.loads(row["metadata"] or "{}"),
+        )
+
+    @reconnecting
     def listed_of(self, run_id: str, attempt: int, source_uris: Sequence[str]) -> set[str]:
         """Those of `source_uris` the run's attempt planned (documents) or failed (errors)."""
         if not source_uris:
@@ -390,6 +419,12 @@ def _statuses(connection: Connection, chain_keys: Sequence[str]) -> dict[str, st
         select(chains.c.chain_key, chains.c.status).where(chains.c.chain_key.in_(chain_keys))
     )
     return {key: status for key, status in found}
+
+
+_RECORD_COLUMNS = (
+    "run_id", "attempt", "source_uri", "doc_id", "name", "content_sha256", "parser", "pages",
+    "n_tokens", "n_segments",
+)  # fmt: skip
 
 
 def _document_row(document: DocumentRecord, now: float) -> dict[str, Any]:

@@ -16,6 +16,7 @@ A document read alone has no `DocumentRef`: its prompts and chain keys are uncha
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -183,6 +184,14 @@ def combined_text(ordered: Sequence[tuple[Member, str]]) -> str:
 def collection_sha256(ordered: Sequence[tuple[Member, str]]) -> str:
     """Names what a collection's chain reads: its documents' headers and texts, in order."""
     return hashlib.sha256(combined_text(ordered).encode()).hexdigest()
+
+
+def member_sha256(member: Member, order_key: str) -> str:
+    """Names what a collection's chain reads of one member at its place, however many follow
+    it: its name, its order key and its text (its header but for the count, and its text). Two
+    collections whose first members have the same hashes read the same first segments."""
+    identity = json.dumps([member.name, order_key, member.text], ensure_ascii=False)
+    return hashlib.sha256(identity.encode()).hexdigest()
 
 
 # A kept line's label, as `TemplateSet.next_memory` writes it: "[doc 2: 2023 Q1 AAPL.pdf] ...".

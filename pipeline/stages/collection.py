@@ -11,7 +11,11 @@ checkpointed step by step, resumed after a crash, skipped when answered.
 
 A collection's chain key hashes what its chain reads (`collection_sha256`: every member's
 header and text, in order) with the question, model and method, so an unchanged collection is
-answered once, and a changed, added, removed or reordered member runs it anew. Its answers rows
+answered once, and a changed, added, removed or reordered member gives it a new chain. That
+chain continues the previous run's chain of the collection (`continue_chain`) when their first
+members are the same (`member_sha256`, kept in the collection's metadata) and so were their
+segments: it starts from the memory after the last unchanged member, those steps copied, and
+reads the rest (documents appended after the last one: only them). Its answers rows
 have the collection's name in `name` and `collection:<name>` in `source_uri`; a member that could
 not be read or parsed is an errors row of its own, and the collection is read without it, a
 warning on its answers rows saying so. A collection ordered by a key some member lacks (its
@@ -35,6 +39,7 @@ from operators.core.chain import ChainStatus
 from operators.core.collection import (
     Member,
     collection_sha256,
+    member_sha256,
     order_members,
     segment_collection,
     with_longest_header,
@@ -46,6 +51,7 @@ from operators.core.document import (
     documents_of,
     documents_table,
 )
+from operators.core.segmentation import Segment
 from pipeline.stages.run import CollectionPlan, RunContext, open_store
 from pipeline.stages.segment import cached_tokenizer
 
@@ -54,6 +60,7 @@ logger = logging.getLogger(__name__)
 COLLECTION_COLUMN = "collection"  # the group key: the collection's name
 MEMBER_SCHEMA = DOCUMENT_SCHEMA.append(pa.field(COLLECTION_COLUMN, pa.string()))
 PARSER = "collection"  # the `parser` of a collection's row in the store's documents table
+CONTINUED = "continued from run "  # how the note on a continued chain begins
 
 
 class CollectionMembers:
@@ -176,6 +183,7 @@ class CollectionStage:
                 return None
             segments = tuple(cut.segments)
             n_tokens = cut.n_tokens
+        hashes = [member_sha256(member, key) for member, key in ordered]
         document = replace(
             anchor,
             content_sha256=content,
@@ -184,17 +192,80 @@ class CollectionStage:
             metadata={
                 "order_by": collection.order_by,
                 "members": [member.doc_id for member, _ in ordered],
+                "member_sha256": hashes,
                 "skipped": [d.uri for d in skipped],
             },
             n_tokens=n_tokens,
             segments=segments,
         )
         statuses = store.plan_document(self.run.record_of(document), chains)
+        if original is None:  # a duplicate's chains are its original's
+            ids = [member.doc_id for member, _ in ordered]
+            now = list(zip(ids, hashes, strict=True))
+            carried = self._continued(collection, now, content, chains, statuses, segments)
+            if carried:  # the answers rows say so
+                document = replace(document, warnings=notes + carried)
+                store.plan_document(self.run.record_of(document), chains)
         if original is not None or answered:
             return None
         return replace(
             document,
             chains=tuple(replace(chain, status=statuses.get(chain.chain_key)) for chain in chains),
+        )
+
+    def _continued(
+        self,
+        collection: CollectionPlan,
+        now: Sequence[tuple[str, str]],
+        content: str,
+        chains: Sequence[PlannedChain],
+        statuses: dict[str, str],
+        segments: Sequence[Segment] | None,
+    ) -> tuple[str, ...]:
+        """Continues the collection's new chains from the previous run's chains of it. `now`
+        is each member's doc_id and `member_sha256`, in reading order; `segments` is None when
+        nothing is run. When the first members are the previous run's first members (the same
+        documents, names, order keys and texts, by hash), each new chain that has run no step
+        starts from the memory its question's previous chain had after them, if that chain's
+        first steps read exactly their segments (checked step by step in `continue_chain`).
+        Returns the answers rows' notes on what was carried over."""
+        store = open_store(self.run.store_url)
+        previous = store.previous_document(self.run.run_id, collection.uri)
+        if previous is None:
+            return ()
+        if previous.content_sha256 == content:  # the same chains: what they carried over
+            return tuple(note for note in previous.warnings if note.startswith(CONTINUED))
+        before = list(
+            zip(
+                previous.metadata.get("members") or [],
+                previous.metadata.get("member_sha256") or [],  # none: nothing to continue
+                strict=False,
+            )
+        )
+        same = 0
+        while same < min(len(before), len(now)) and tuple(before[same]) == now[same]:
+            same += 1
+        if same == 0:
+            return ()
+        prefix = None
+        if segments is not None:  # a collection's segments are in reading order
+            read = [p for p in segments if p.document is not None and p.document.position <= same]
+            prefix = segments[: len(read)]
+        carried: dict[int, list[str]] = {}
+        for chain in chains:
+            from_key = self.run.chain_key(previous.content_sha256, chain.question)
+            if prefix is not None and statuses.get(chain.chain_key) != ChainStatus.DONE:
+                store.continue_chain(chain.chain_key, from_key, prefix)
+            n_steps = store.carried_steps(chain.chain_key, from_key)
+            if n_steps:
+                carried.setdefault(n_steps, []).append(chain.question_id)
+        count = len(now)
+        rest = f"read from member {same + 1} of {count}" if same < count else "answered from them"
+        unchanged = "member 1" if same == 1 else f"members 1-{same}"
+        return tuple(
+            f"{CONTINUED}{previous.run_id}: {unchanged} unchanged, the {n_steps} steps "
+            f"that read them carried over from its chain ({', '.join(ids)}); {rest}"
+            for n_steps, ids in carried.items()
         )
 
 
