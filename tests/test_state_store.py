@@ -1,7 +1,9 @@
 """The state store's schema life: Alembic migrations (a new database, a database made before
 migrations existed, one at the first revision with rows, a second run; the migrated schema is
-`schema.py`'s), the Serve job claim, which never hands a job to two replicas, and the run lock,
-which never lets two runs hold one archive, on SQLite and PostgreSQL."""
+`schema.py`'s), the Serve job claim, which never hands a job to two replicas, the run lock,
+which never lets two runs hold one archive, and a chain continued from another over the same
+first segments (a grown collection) with the previous run's document it is found by, on SQLite
+and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,8 +25,17 @@ from alembic.migration import MigrationContext
 
 from connectors.state import locks, schema
 from connectors.state.database import MIGRATIONS
-from connectors.state.records import LockHolder, NewJob
+from connectors.state.records import (
+    Checkpoint,
+    DocumentRecord,
+    LockHolder,
+    NewJob,
+    StepCheckpoint,
+)
 from connectors.state.store import StateStore
+from operators.core.chain import ChainStatus, StepKind, StepRecord
+from operators.core.document import PlannedChain
+from operators.core.segmentation import Segment
 
 TABLES = {table.name for table in schema.metadata.sorted_tables}
 HEAD = "0003"
@@ -178,6 +190,123 @@ def test_a_database_at_the_second_revision_keeps_its_steps_and_gains_reread_span
     engine.dispose()
     assert alembic_revision(empty_store_url) == [HEAD]
     assert (row["memory_after"], row["reread_spans"]) == ("A", None)
+
+
+# --- a chain continued from another (a grown collection) ----------------------------------------
+
+QUESTION = "What changed?"
+
+
+def piece(index: int, char_start: int) -> Segment:
+    return Segment("d", index, 10 * index, 10 * index + 10, char_start, char_start + 40, "text")
+
+
+def plan_chain(store: StateStore, run_id: str, uri: str, chain_key: str, n_segments: int) -> None:
+    record = DocumentRecord(run_id, 1, uri, uri, uri, "0" * 64, "collection", None, (), {},
+                            10 * n_segments, n_segments)  # fmt: skip
+    store.plan_document(record, [PlannedChain(chain_key, "q0", QUESTION)])
+
+
+def update_step(
+    chain_key: str, step: int, segment: Segment, quotes: tuple[str, ...] = ()
+) -> StepCheckpoint:
+    """Update step `step` of the chain over `segment`, as `pipeline.resume` records it."""
+    record = StepRecord(
+        chain_key, step, StepKind.UPDATE.value, segment.index, segment.token_start,
+        segment.token_end, segment.char_start, segment.char_end, f"memory {step + 1}",
+        100 + step, 10 + step, "stop", 0.5 + step, rejected_quotes=quotes,
+    )  # fmt: skip
+    return StepCheckpoint(record, step + 1, f"memory {step + 1}", False, None, None)
+
+
+def step_rows(store: StateStore, run_id: str) -> list[dict[str, object]]:
+    """The run's trajectory rows (with their rejected quotes) but for whose chain they are."""
+    mine = ("run_id", "chain_key", "doc_id", "source_uri")
+    return [
+        {name: value for name, value in row.items() if name not in mine}
+        for row in store.trajectory(run_id, 1)
+    ]
+
+
+def test_a_chain_continues_where_another_stood_after_the_same_first_segments(
+    migrated_store: StateStore,
+) -> None:
+    store, a, b = migrated_store, "a" * 64, "b" * 64
+    read = [piece(0, 0), piece(1, 40), piece(2, 80)]
+    plan_chain(store, "run-1", "collection:c", a, 3)
+    for step, segment in enumerate(read):
+        quotes = ("a line it did not find",) if step == 1 else ()
+        assert store.record_step(update_step(a, step, segment, quotes))
+    grown = [*read[:2], piece(2, 81)]  # the third segment is another one now
+    plan_chain(store, "run-2", "collection:c", b, 3)
+
+    assert not store.continue_chain("c" * 64, a, grown[:2])  # no such chain
+    assert not store.continue_chain(b, a, [])
+    shifted = [read[0], replace(read[1], char_end=read[1].char_end + 1)]
+    assert not store.continue_chain(b, a, shifted)  # not the segments A read
+    assert not store.continue_chain(b, a, grown)  # A read another third segment
+    assert not store.continue_chain(b, a, read[1:])  # not the first segments
+    assert store.load_checkpoint(b) == Checkpoint(ChainStatus.PENDING, 0, None)
+    assert store.carried_steps(b, a) == 0
+
+    assert store.continue_chain(b, a, grown[:2])
+    assert store.load_checkpoint(b) == Checkpoint(ChainStatus.PENDING, 2, "memory 2")
+    carried = step_rows(store, "run-2")
+    assert carried == step_rows(store, "run-1")[:2]
+    assert carried[1]["rejected_quotes"] == '["a line it did not find"]'
+    assert store.carried_steps(b, a) == 2
+    assert store.carried_steps(a, b) == 2  # the same rows either way
+    with store.reader.connect() as connection:
+        totals = connection.execute(
+            sa.select(
+                schema.chains.c.prompt_tokens,
+                schema.chains.c.completion_tokens,
+                schema.chains.c.compute_s,
+            ).where(schema.chains.c.chain_key == b)
+        ).one()
+    assert tuple(totals) == (100 + 101, 10 + 11, pytest.approx(0.5 + 1.5))
+    assert not store.continue_chain(b, a, grown[:2])  # it has run steps now
+
+    # it goes on from there as after a crash: its own third step is no copy
+    assert store.record_step(update_step(b, 2, grown[2]))
+    assert store.carried_steps(b, a) == 2
+    assert [row["char_start"] for row in step_rows(store, "run-2")] == [0, 40, 81]
+
+
+def test_a_run_finds_a_document_as_the_previous_finished_run_over_its_archive_had_it(
+    migrated_store: StateStore,
+) -> None:
+    store = migrated_store
+
+    def record(run_id: str, attempt: int, uri: str, sha: str) -> DocumentRecord:
+        metadata = {"members": ["m1", "m2"], "member_sha256": ["1" * 64, "2" * 64]}
+        return DocumentRecord(run_id, attempt, uri, f"doc-{sha}", uri, sha * 64, "collection",
+                              None, ("a note", "another"), metadata, 20, 2)  # fmt: skip
+
+    assert store.begin_run("run-1", {}, archive_key="archive").attempt == 1
+    store.plan_document(record("run-1", 1, "collection:kept", "1"), [])
+    store.plan_document(record("run-1", 1, "collection:dropped", "2"), [])
+    assert store.begin_run("run-1", {}, archive_key="archive").attempt == 2  # a second attempt
+    store.plan_document(record("run-1", 2, "collection:kept", "3"), [])
+    store.finish_run("run-1", "done")
+    assert store.previous_document("run-1", "collection:kept") is None  # the archive's first
+    assert store.begin_run("run-2", {}, archive_key="archive").previous_run_id == "run-1"
+    store.plan_document(record("run-2", 1, "collection:kept", "4"), [])
+    store.begin_run("other", {}, archive_key="another archive")
+    store.finish_run("other", "done")
+
+    assert store.previous_document("run-2", "collection:kept") == record(
+        "run-1", 2, "collection:kept", "3"
+    )
+    assert store.previous_document("run-2", "collection:dropped") is None  # not in its last attempt
+    assert store.previous_document("run-2", "collection:never") is None
+    assert store.previous_document("no-such-run", "collection:kept") is None
+    store.supersede_previous("run-2", 1)
+    store.finish_run("run-2", "done")
+    assert store.begin_run("run-3", {}, archive_key="archive").previous_run_id == "run-2"
+    assert store.previous_document("run-3", "collection:kept") == record(
+        "run-2", 1, "collection:kept", "4"
+    )
 
 
 # --- the run lock -------------------------------------------------------------------------------
