@@ -24,6 +24,7 @@ from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from connectors.processes import ServerNotReady, ServerProcess, free_port, http_ok
 from operators.config import MethodConfig
 from operators.core.chain import ChainStatus
+from operators.core.collection import Member
 from operators.core.document import Document
 from operators.engine import (
     Completion,
@@ -33,10 +34,11 @@ from operators.engine import (
     SamplingConfig,
 )
 from operators.runner import ChainRunner
-from pipeline.ask import answer, prepare
+from pipeline.ask import answer, prepare, prepare_collection
 from pipeline.job import JobSpec
 from tests.chat_server import JsonHandler
 from tests.processes import engine_cores
+from tests.test_collection import ALPHA, BETA
 
 pytestmark = pytest.mark.engine
 
@@ -197,6 +199,83 @@ def test_runner_drives_chains_of_different_lengths_together(  # type: ignore[no-
     assert sorted(finished[:2]) == ["short#q0", "short#q1"] and finished[2:] == ["long#q0"]
     segment_starts = [r.token_start for r in long_result.trajectory[:-1]]
     assert segment_starts == [s.token_start for s in documents[0].segments]
+
+
+class RecordingEngine:
+    """The real engine, with every prompt it was asked, by request id (`{chain_id}:{step}`)."""
+
+    def __init__(self, engine) -> None:  # type: ignore[no-untyped-def]
+        self.engine, self.model = engine, engine.model
+        self.prompts: dict[str, str] = {}
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        self.prompts[request.request_id] = request.prompt
+        return await self.engine.generate(request)
+
+
+def test_a_collection_reads_each_member_in_order_under_its_header(  # type: ignore[no-untyped-def]
+    vllm_engine, event_loop_runner, tokenizer
+) -> None:
+    """`ask --across` end to end on the real engine: one chain reads the members in order, one
+    update per segment, each segment inside its member and shown under its member's header."""
+    method = MethodConfig(chunk_size=64, max_memory_tokens=32, max_answer_tokens=24)
+    gamma = "Gamma closes the set.\nThe green line says fact-green is kept."
+    members = [
+        Member("docs/alpha.txt", "alpha.txt", ALPHA),  # 2 segments
+        Member("docs/beta.txt", "beta.txt", BETA),  # 2 segments
+        Member("docs/gamma.txt", "gamma.txt", gamma),  # 1 segment
+    ]
+    prepared = prepare_collection("shelf", members, ["Which facts are kept?"], tokenizer, method)
+    engine = RecordingEngine(vllm_engine)
+    runner = ChainRunner(engine, method.sampling())
+    [result] = event_loop_runner.run(answer(runner, [prepared]))["shelf"]
+
+    assert result.status == ChainStatus.DONE, result.error
+    assert isinstance(result.raw_response, str) and result.raw_response.strip()
+    assert result.trajectory[-1].kind == "final"
+    assert result.trajectory[-1].output == result.raw_response
+    assert result.answer is None or isinstance(result.answer, str)
+    updates = result.trajectory[:-1]
+    assert [r.kind for r in updates] == ["update"] * len(prepared.segments)
+    assert [r.step for r in result.trajectory] == list(range(len(prepared.segments) + 1))
+    assert result.n_segments == len(prepared.segments) == 5
+    # One engine call per step, no more.
+    assert sorted(engine.prompts) == sorted(f"shelf#q0:{r.step}" for r in result.trajectory)
+
+    # The update steps read the members in the order listed, each member whole and contiguous,
+    # every segment a slice of its own member's text under that member's DocumentRef.
+    read: dict[str, list[str]] = {}
+    for record in updates:
+        assert record.segment_index == record.step
+        piece = prepared.segments[record.segment_index]
+        assert (record.char_start, record.char_end) == (piece.char_start, piece.char_end)
+        assert piece.doc_id in [m.doc_id for m in members]
+        position = [m.doc_id for m in members].index(piece.doc_id) + 1
+        member = members[position - 1]
+        assert piece.text == member.text[piece.char_start : piece.char_end]
+        assert piece.document is not None
+        assert (piece.document.name, piece.document.position) == (member.name, position)
+        assert piece.document.count == len(members)
+        read.setdefault(member.name, []).append(piece.text)
+        # The prompt the engine saw shows the member's header right before the segment.
+        continued = ", continued" if read[member.name][:-1] else ""
+        header = f"## Document {position} of {len(members)}{continued}: {member.name}"
+        prompt = engine.prompts[f"shelf#q0:{record.step}"]
+        assert f"{header}\n\n{piece.text}" in prompt
+        assert prompt.count("## Document ") == 1
+    assert list(read) == [m.name for m in members]  # in order, never interleaved
+    assert ["".join(texts) for texts in read.values()] == [m.text for m in members]
+    assert [len(texts) for texts in read.values()] == [2, 2, 1]
+    assert [ref.name for ref in prepared.documents] == [m.name for m in members]
+
+    grounding = prepared.grounding(result)
+    labels = {f"doc {i}: {m.name}" for i, m in enumerate(members, 1)}
+    for item in grounding.evidence:
+        assert item.document in labels
+        piece = prepared.segments[item.segment_index]
+        assert piece.document is not None and item.document == piece.document.label
+        member = members[piece.document.position - 1]
+        assert member.text[item.char_start : item.char_end] == item.quote
 
 
 @pytest.fixture(scope="module")
