@@ -445,6 +445,32 @@ def test_a_title_question_needs_an_answer_that_names_a_kind_of_document():
     assert "kind of document" not in title.reason
 
 
+def test_page_furniture_is_no_finding_however_near_the_question_terms():
+    """A column's period and a running footer sit beside every figure of a filing."""
+    pages = [
+        f"Operating income by segment for the periods shown.\n"
+        f"Three Months Ended April 1, 2023 and Three Months Ended March 26, 2022\n"
+        f"Operating income: Tools $ {page},100; Parts $ 2,{page}00\n"
+        f"{FILLER}\nAcme Corp. | Q2 2023 Form 10-Q | {page}\n"
+        for page in range(1, 5)
+    ]
+    segments = make_segments("".join(pages), 4000)
+    question = "What was the operating income of Acme's Tools segment for the three months ended "
+    question += "April 1, 2023?"
+    period = find_evidence(question, "Three Months Ended April 1, 2023", "", segments)
+    assert not period.grounded and "only names a reporting period" in period.reason
+    footer = find_evidence(question, "Acme Corp. | Q2 2023 Form 10-Q | 2", "", segments)
+    assert not footer.grounded and "running header or footer" in footer.reason
+    assert find_evidence(question, "$1,100", "", segments).grounded
+    asked = find_evidence("When did the period end?", "Three Months Ended April 1, 2023", "",
+                          segments)  # fmt: skip
+    assert "reporting period" not in asked.reason
+    duration = find_evidence(
+        "How long until the revolving credit facility matures?", "12 months", "", REPORT_SEGMENTS
+    )
+    assert duration.grounded, duration.reason
+
+
 def test_an_answer_led_in_by_that_is_located_without_it():
     """ "Therefore, the answer is that ..." leaves "that" before a verbatim source line."""
     log = (

@@ -58,6 +58,11 @@ A question that asks for a document's title ("What is the title of this agreemen
 answer that names a kind of document (`DOCUMENT_KINDS`: "Outsourcing Agreement"): a party's
 name or a signatory's "Title: Director", found beside the question's terms, is not a title.
 
+Page furniture is no finding: an answer that only names a reporting period ("Three Months Ended
+April 1, 2023", unless the question asks when, or for a period or quarter) or that is a line the
+document prints `RUNNING_LINE_MIN_PAGES` times or more, numbers aside (a running footer, "Apple
+Inc. | Q2 2023 Form 10-Q | 9"), is never grounded, however close to the question's terms.
+
 In every case the evidence also shows where the final memory's most relevant sentences came
 from (matches="memory", fuzzy score at least `min_score`; the initial memory and dropped-lines
 markers are skipped).
@@ -76,9 +81,11 @@ and the memory's document labels are left out before its sentences are looked up
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import re
 import string
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from itertools import islice
@@ -155,6 +162,15 @@ DOCUMENT_KINDS = re.compile(
 _TITLE_QUESTION = re.compile(
     r"\b(?:title|name)\s+of\s+(?:this|the)\s+(?:agreement|contract|document)\b", re.IGNORECASE
 )
+# A line printed this many times is page furniture (a running header or footer), not a finding.
+RUNNING_LINE_MIN_PAGES = 3
+_DAY_OR_YEAR = re.compile(r"(?:[12]?\d|3[01]|(?:19|20)\d\d)")
+# A period's end names a reporting period ("three months ended April 1, 2023"), where "12 months"
+# alone is a duration.
+_DURATION_WORDS = "three six nine twelve month months year years quarter quarters fiscal period"
+_PERIOD_ENDS = PERIOD_WORDS - frozenset(_DURATION_WORDS.split())
+_ASKS_FOR_A_PERIOD = frozenset({"when", "period", "periods", "quarter", "quarters"})
+_LETTERS = re.compile(r"[^\W\d_]+")
 # What tells a table's period columns apart: a year, or the span of months.
 _PERIOD_KEYS = re.compile(r"\b(?:19|20)\d\d\b|\b(?:three|six|nine|twelve)\b")
 _SCALE_READINGS = (1.0, 1e3, 1e6, 1e9)  # a printed figure's scale is in a heading far away
@@ -308,11 +324,37 @@ def find_evidence(
     if grounded and asks_for_title(question) and not DOCUMENT_KINDS.search(answer or ""):
         matches, grounded = [], False
         reason = "The question asks for a title and the answer names no kind of document."
+    if grounded and (furniture := _page_furniture(answer or "", question, corpus)):
+        matches, grounded, reason = [], False, furniture
     evidence = [corpus.evidence(m, "answer", page_starts) for m in matches]
     if grounded:
         reason = _with_pages(reason, evidence)
     evidence += [corpus.evidence(m.match, "memory", page_starts) for m in memory]
     return Grounding(tuple(evidence[:max_items]), grounded, reason)
+
+
+def _page_furniture(answer: str, question: str, corpus: _Corpus) -> str | None:
+    """Why the answer is no finding, when it only names a reporting period or is a line the
+    document prints on page after page (the rule in the module's docstring); None otherwise."""
+    words = _content_words(answer)
+    if (
+        words
+        and all(w in PERIOD_WORDS or _DAY_OR_YEAR.fullmatch(w) for w in words)
+        and any(w in _PERIOD_ENDS for w in words)
+        and not asks_for_date(question)
+        and not _ASKS_FOR_A_PERIOD & set(_words(question))
+    ):
+        return "The answer only names a reporting period, not what the question asks about."
+    shape = _line_shape(answer)
+    if shape.count(" ") and corpus.line_shapes()[shape] >= RUNNING_LINE_MIN_PAGES:
+        return "The answer is a line printed on page after page (a running header or footer)."
+    return None
+
+
+def _line_shape(text: str) -> str:
+    """A line with its numbers, case and punctuation left out: page after page, a running
+    footer has one shape ("apple inc q form q" for "Apple Inc. | Q2 2023 Form 10-Q | 9")."""
+    return " ".join(_LETTERS.findall(text.lower()))
 
 
 def asks_for_title(question: str) -> bool:
@@ -416,6 +458,14 @@ class _Corpus:
             self.starts.append(position)
             position += len(seg.text) + 1
         self.text = "\x00".join(_lower(seg.text) for seg in self.segments)
+
+    @functools.cached_property
+    def _shapes(self) -> Counter[str]:
+        return Counter(_line_shape(line) for line in self.text.replace("\x00", "\n").splitlines())
+
+    def line_shapes(self) -> Counter[str]:
+        """How many lines of the text have each shape (`_line_shape`)."""
+        return self._shapes
 
     def locate(self, position: int) -> tuple[int, int, int]:
         """The index in `segments` of the segment holding `position`, and its bounds."""
