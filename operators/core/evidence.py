@@ -321,11 +321,8 @@ def find_evidence(
                 "table row or sentence that names the question's terms: they may be another "
                 "line's figures."
             )
-    if grounded and asks_for_title(question) and not DOCUMENT_KINDS.search(answer or ""):
-        matches, grounded = [], False
-        reason = "The question asks for a title and the answer names no kind of document."
-    if grounded and (furniture := _page_furniture(answer or "", question, corpus)):
-        matches, grounded, reason = [], False, furniture
+    if grounded and (not_a_finding := _not_a_finding(answer or "", question, corpus)):
+        matches, grounded, reason = [], False, not_a_finding
     evidence = [corpus.evidence(m, "answer", page_starts) for m in matches]
     if grounded:
         reason = _with_pages(reason, evidence)
@@ -333,9 +330,12 @@ def find_evidence(
     return Grounding(tuple(evidence[:max_items]), grounded, reason)
 
 
-def _page_furniture(answer: str, question: str, corpus: _Corpus) -> str | None:
-    """Why the answer is no finding, when it only names a reporting period or is a line the
-    document prints on page after page (the rule in the module's docstring); None otherwise."""
+def _not_a_finding(answer: str, question: str, corpus: _Corpus) -> str | None:
+    """Why a located answer is no finding (the title and page-furniture rules of the module's
+    docstring): a title that names no kind of document, a reporting period, a running header
+    or footer; None otherwise."""
+    if asks_for_title(question) and not DOCUMENT_KINDS.search(answer):
+        return "The question asks for a title and the answer names no kind of document."
     words = _content_words(answer)
     if (
         words
@@ -346,7 +346,7 @@ def _page_furniture(answer: str, question: str, corpus: _Corpus) -> str | None:
     ):
         return "The answer only names a reporting period, not what the question asks about."
     shape = _line_shape(answer)
-    if shape.count(" ") and corpus.line_shapes()[shape] >= RUNNING_LINE_MIN_PAGES:
+    if shape.count(" ") and corpus.line_shapes[shape] >= RUNNING_LINE_MIN_PAGES:
         return "The answer is a line printed on page after page (a running header or footer)."
     return None
 
@@ -460,12 +460,10 @@ class _Corpus:
         self.text = "\x00".join(_lower(seg.text) for seg in self.segments)
 
     @functools.cached_property
-    def _shapes(self) -> Counter[str]:
-        return Counter(_line_shape(line) for line in self.text.replace("\x00", "\n").splitlines())
-
     def line_shapes(self) -> Counter[str]:
-        """How many lines of the text have each shape (`_line_shape`)."""
-        return self._shapes
+        """How many lines of the text have each shape (`_line_shape`); counted once, when an
+        answer is first checked against them."""
+        return Counter(_line_shape(line) for line in self.text.replace("\x00", "\n").splitlines())
 
     def locate(self, position: int) -> tuple[int, int, int]:
         """The index in `segments` of the segment holding `position`, and its bounds."""
