@@ -160,8 +160,8 @@ class EngineSpec:
     def resolved_max_model_len(self) -> int:
         if self.max_model_len is not None:
             return self.max_model_len
-        packaged = models.PACKAGED_MODELS.get(self.model)
-        return min(packaged.max_model_len, 16384) if packaged else 8192
+        packaged = models.packaged_max_model_len(self.model)
+        return min(packaged, 16384) if packaged else 8192
 
     def resolved(
         self,

