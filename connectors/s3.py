@@ -4,12 +4,21 @@ Objects are read through pyarrow's S3 filesystem, the one the outputs are writte
 (connectors.output). The listing stays on boto3's paginator: pyarrow lists a prefix only whole,
 as one list built before it returns, and without the objects' ETags; a page of 1,000 keys at a
 time keeps a read task flat at any number of objects.
+
+A listing gives each object its `etag` and `last_modified`, not its user metadata
+(`x-amz-meta-*`). With `user_metadata` (set by the job when a collection is ordered by another
+field, `order_by: metadata.<key>`), each listed object's is fetched by one HEAD request, in the
+source's `read_threads` threads, and merged into its metadata.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlparse
 
@@ -32,6 +41,9 @@ from operators.core.document import Document
 # wrong or lack the right; DENIED_CODES are boto3's.
 ARROW_DENIED_CODES = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH")
 ARROW_UNREACHABLE_CODES = ("NETWORK_CONNECTION", "REQUEST_TIMEOUT", "SERVICE_UNAVAILABLE")
+
+# What a listing gives each object; user metadata never overrides them.
+LISTED_FIELDS = ("etag", "last_modified")
 
 DENIED_CODES = {
     "403",
@@ -59,7 +71,8 @@ class S3Source:
     and of pyarrow's AWS SDK; they are never stored here. The client and the filesystem are
     made on first use in each process, so the source pickles to Ray workers. One shard lists
     the whole prefix, lazily, in a read task, which fetches the objects with `read_threads`
-    threads.
+    threads. With `user_metadata`, each object's user metadata too (one HEAD request each);
+    without, a listing is one request per page and nothing more.
     """
 
     read_threads = 8
@@ -72,6 +85,7 @@ class S3Source:
         max_attempts: int = S3_MAX_ATTEMPTS,
         retry_mode: str = "standard",
         page_size: int = 1000,
+        user_metadata: bool = False,
     ) -> None:
         self.bucket, self.prefix = split_s3_uri(uri)
         self.endpoint_url = endpoint_url
@@ -79,6 +93,7 @@ class S3Source:
         self.max_attempts = max_attempts
         self.retry_mode = retry_mode
         self.page_size = page_size
+        self.user_metadata = user_metadata
         self._client: Any = None
 
     def __repr__(self) -> str:
@@ -132,6 +147,16 @@ class S3Source:
                 yield int(obj.get("Size") or 0)
 
     def shard_documents(self, shard: Any) -> Iterator[Document]:
+        if not self.user_metadata:
+            yield from self._listed_documents()
+            return
+        threads = max(1, self.read_threads)
+        with ThreadPoolExecutor(threads, thread_name_prefix="memstream-s3-head") as pool:
+            yield from _bounded_map(
+                pool, self._with_user_metadata, self._listed_documents(), 2 * threads
+            )
+
+    def _listed_documents(self) -> Iterator[Document]:
         # Keys come sorted, so a document's sidecars (its key plus a suffix) come after it and
         # before any key that does not start with it. A document waits in `pending` only while
         # the keys that follow start with its own key: a few documents at most.
@@ -192,6 +217,24 @@ class S3Source:
             error=error,
         )
 
+    def _with_user_metadata(self, document: Document) -> Document:
+        """The document with its object's user metadata (keys in lower case, as S3 gives them)
+        beside the listing's fields, which it never overrides. A HEAD request refused for this
+        object (gone, denied) is the document's error; S3 unreachable stops the listing, as a
+        read does."""
+        if document.error is not None:
+            return document
+        bucket, key = split_s3_uri(document.uri)
+        try:
+            head = self.client.head_object(Bucket=bucket, Key=key)
+        except ClientError as e:
+            return replace(document, error=f"its user metadata: {self._error(e, document.uri)}")
+        except BotoCoreError as e:
+            raise self._error(e, document.uri) from None
+        user = {str(name).lower(): value for name, value in (head.get("Metadata") or {}).items()}
+        listed = dict(document.metadata or {})
+        return replace(document, metadata={**user, **listed})
+
     def _get(self, bucket: str, key: str) -> bytes:
         try:
             with self.filesystem.open_input_stream(f"{bucket}/{key}") as stream:
@@ -245,6 +288,24 @@ class S3Source:
 
 # One per process and settings: its AWS SDK client is costly.
 _s3_filesystem = functools.cache(s3_filesystem)
+
+
+def _bounded_map(
+    pool: ThreadPoolExecutor,
+    function: Callable[[Document], Document],
+    items: Iterable[Document],
+    window: int,
+) -> Iterator[Document]:
+    """pool.map, in order, with at most `window` items ahead (pool.map takes its whole input
+    first: the whole listing)."""
+    iterator = iter(items)
+    pending: deque[Future[Document]] = deque(
+        pool.submit(function, item) for item in itertools.islice(iterator, window)
+    )
+    while pending:
+        done = pending.popleft().result()
+        pending.extend(pool.submit(function, item) for item in itertools.islice(iterator, 1))
+        yield done
 
 
 def _first_line(message: str) -> str:

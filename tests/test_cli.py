@@ -613,5 +613,11 @@ def test_progress_lines_in_a_log_come_at_most_every_interval_but_the_last_always
         report(RunProgress(done, 4, chains_done=done // 4, chains_planned=1))
     lines = out.getvalue().splitlines()
     assert len(lines) == 2, lines
-    assert lines[0].startswith("model calls 0/4, chains answered 0/1")
-    assert lines[1].startswith("model calls 4/4, chains answered 1/1")
+    assert lines[0].startswith("model calls 0/4, chains answered 0/1, ")
+    assert lines[1].startswith("model calls 4/4, chains answered 1/1, ")
+    assert "documents read" not in out.getvalue()  # no collection: as before
+    # a job with collections: the members read whole of those planned, beside the chains
+    out = io.StringIO()
+    report = progress_lines(Console(file=out, width=200), every_s=3600)
+    report(RunProgress(3, 8, 0, 1, members_done=1, members_planned=3))
+    assert out.getvalue().startswith("model calls 3/8, chains answered 0/1, documents read 1/3, ")

@@ -335,3 +335,46 @@ def test_ask_across_answers_once_for_the_collection_with_evidence_naming_files(
         "  doc 2: beta.txt",
     ]
     assert "doc 2: beta.txt, " in shown  # an evidence line names its file
+
+
+def test_ask_across_progress_counts_the_documents_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+
+    from connectors.engines.factory import EngineSpec
+    from connectors.state.records import RunProgress
+    from pipeline.cli import ask as ask_command
+
+    alpha, beta = tmp_path / "alpha.txt", tmp_path / "beta.txt"
+    alpha.write_text(ALPHA)
+    beta.write_text(BETA)
+    readings: list[RunProgress] = []
+
+    @contextmanager
+    def recorded(console: object, starting: str = "") -> Iterator[object]:
+        yield readings.append
+
+    async def fake_engine(spec: EngineSpec) -> FactEngine:
+        return FactEngine()
+
+    monkeypatch.setattr(ask_command, "progress_bar", recorded)
+    monkeypatch.setattr(ask_command, "open_checked_engine", fake_engine)
+    monkeypatch.setattr(ask_command, "load_tokenizer", lambda spec: WordTokenizer())
+    monkeypatch.setattr(ask_command.models, "ensure_pulled", lambda *args: None)
+    spec = EngineSpec(model="fake-model", max_model_len=4096)
+    code = ask_command.ask_files(
+        [alpha, beta], [QUESTION, "Which filing is first?"], spec, method(), as_json=True,
+        across=True,
+    )  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    # two chains over two documents: 4 planned; a document counts once a chain has read all of
+    # its segments, so the count grows, document by document, to 4 when both are answered
+    assert {reading.members_planned for reading in readings} == {4}
+    done = [reading.members_done for reading in readings]
+    assert done == sorted(done) and done[0] == 0 and {1, 2} <= set(done)
+    last = readings[-1]
+    assert (last.steps_done, last.chains_done, last.members_done) == (last.steps_planned, 2, 4)
+    # no document is read whole before a chain has read more than one segment (each has several)
+    assert all(r.members_done == 0 for r in readings if r.steps_done <= 2)

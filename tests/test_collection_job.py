@@ -2,7 +2,8 @@
 order, as one chain per question, through the job's stages (read + parse, the collection
 stage, the memory stage) on the fake engine and its word tokenizer and a SQLite store, as
 tests/test_hostile_inputs.py runs them; the grouping Ray Data does between them
-(`groupby("collection")`) is one table here. `run_job` on Ray with local files is the last test.
+(`groupby("collection")`) is one table here (one test reads its members from S3, SeaweedFS).
+`run_job` on Ray with local files is the last test.
 
 The rules: one answers row per (collection, question), named after the collection, whose
 evidence names the member it is in; members are read in the order asked; an unchanged
@@ -18,6 +19,7 @@ import json
 import os
 import re
 import sqlite3
+import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +32,7 @@ from connectors.base import Source
 from connectors.engines.factory import EngineSpec
 from connectors.engines.fake import EngineCrash, FactEngine, WordTokenizer, tagged
 from connectors.local import LocalSource
+from connectors.seaweedfs import S3Server
 from connectors.sql import SqlSource
 from connectors.state.records import Checkpoint, DocumentRecord
 from connectors.state.store import StateStore
@@ -39,7 +42,12 @@ from operators.core.collection import Member, order_members, with_longest_header
 from operators.core.document import PlannedChain, documents_table
 from operators.core.segmentation import Segment
 from pipeline.job import JobError, JobSpec, run_job
-from pipeline.job.plan import derive_job_key, resolve_collections, resolve_questions
+from pipeline.job.plan import (
+    derive_job_key,
+    fetch_order_fields,
+    resolve_collections,
+    resolve_questions,
+)
 from pipeline.stages.collection import CollectionMembers, CollectionStage
 from pipeline.stages.memory import MemoryStage
 from pipeline.stages.read import ReadParseStage
@@ -228,6 +236,37 @@ def test_a_collection_chain_killed_in_step_k_resumes_there(reports: Path, store_
     # its first step read the memory checkpointed after doc 2, not the initial one
     assert "fact-iphone" in str(tagged(resumed.engine.requests[0].prompt, "memory"))
     assert "fact-iphone" in resumed.answers["quarters"]["answer"]
+
+
+def test_progress_says_how_many_members_a_stopped_chain_has_read(
+    reports: Path, store_url: str
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from pipeline.cli.progress import progress_lines
+
+    crashing = FactEngine(fail_on_call=2, failure=EngineCrash("killed in call 2"))
+    with pytest.raises(EngineCrash):  # after the first member's one segment
+        run_stages(reports, store_url, "run-1", (quarters(),), engine=crashing)
+    with sqlite3.connect(store_url.removeprefix("sqlite:///")) as connection:
+        query = "SELECT metadata FROM documents WHERE parser = 'collection'"
+        (metadata,) = [json.loads(text) for (text,) in connection.execute(query)]
+    connection.close()
+    assert metadata["member_segments"] == [1, 1, 1]  # each member's segments, in order
+    store = StateStore(store_url)
+    progress = store.progress("run-1", 1)
+    assert (progress.steps_done, progress.members_done, progress.members_planned) == (1, 1, 3)
+    out = io.StringIO()
+    progress_lines(Console(file=out, width=200))(progress)
+    assert out.getvalue().startswith("model calls 1/4, chains answered 0/1, documents read 1/3, ")
+
+    run_stages(reports, store_url, "run-1", (quarters(),))  # attempt 2 reads the rest
+    assert store.progress("run-1", 2) == replace(
+        progress, steps_done=4, chains_done=1, members_done=3
+    )
+    store.close()
 
 
 def without_chain(row: dict[str, Any]) -> dict[str, Any]:
@@ -440,6 +479,39 @@ def test_members_are_read_in_the_order_of_a_source_field(tmp_path: Path, store_u
     ]
     documents = {item.get("document") for item in json.loads(run.answers["quarters"]["evidence"])}
     assert documents == {"doc 1: 2023-q2.txt, filed 2023-02-03"}
+
+
+@pytest.mark.server
+def test_members_are_read_in_the_order_of_an_s3_objects_user_metadata(
+    s3_server: S3Server, tmp_path: Path, store_url: str
+) -> None:
+    from connectors.s3 import S3Source
+
+    bucket = f"reports-{uuid.uuid4().hex[:12]}"
+    client = s3_server.client()
+    client.create_bucket(Bucket=bucket)
+    dates = {"2023-q1.txt": "2023-08-04", "2023-q2.txt": "2023-02-03", "2023-q3.txt": "2023-05-05"}
+    for name, text in REPORTS.items():
+        client.put_object(
+            Bucket=bucket, Key=f"in/{name}", Body=text.encode(), Metadata={"filed": dates[name]}
+        )
+    source = S3Source(f"s3://{bucket}/in/", endpoint_url=s3_server.endpoint_url)
+    by_field = quarters("metadata.filed")
+    fetch_order_fields([source], (quarters("metadata.last_modified"), quarters("name")))
+    assert not source.user_metadata  # the listing has what those orders need: no HEAD
+    fetch_order_fields([source], (replace(by_field, source=1),))
+    assert not source.user_metadata  # another source's collection
+    fetch_order_fields([source], (by_field,))
+    assert source.user_metadata
+
+    run = run_stages(tmp_path, store_url, "run-1", (by_field,), source=source)
+    assert not run.errors and run.answers["quarters"]["status"] == "done"
+    assert run.engine is not None
+    assert [h for h in headers_read(run.engine) if "continued" not in h] == [
+        "## Document 1 of 3: 2023-q2.txt (filed 2023-02-03)",
+        "## Document 2 of 3: 2023-q3.txt (filed 2023-05-05)",
+        "## Document 3 of 3: 2023-q1.txt (filed 2023-08-04)",
+    ]
 
 
 def test_a_collection_whose_member_lacks_the_order_field_is_an_errors_row(

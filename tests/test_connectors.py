@@ -243,6 +243,62 @@ def test_s3_object_reads_fail_in_one_line_without_the_secret(
     assert "wrong-secret-value" not in str(raised.value) and "\n" not in str(raised.value)
 
 
+@pytest.mark.server
+def test_s3_user_metadata_is_fetched_by_one_head_request_an_object_only_when_asked(
+    s3_server: S3Server, bucket: str
+) -> None:
+    client = s3_server.client()
+    filed = {"q1.txt": "2023-08-04", "q2.txt": "2023-02-03", "q3.txt": "2023-05-05"}
+    for name, day in filed.items():
+        user = {"Filed": day, "etag": "not-its-etag"}  # a listed field is never overridden
+        client.put_object(Bucket=bucket, Key=f"in/{name}", Body=name.encode(), Metadata=user)
+    client.put_object(Bucket=bucket, Key="in/q4.txt", Body=b"q4")  # no user metadata
+
+    def counted(source: S3Source) -> dict[str, list[str]]:
+        calls: dict[str, list[str]] = {"HeadObject": [], "ListObjectsV2": []}
+        for operation, keys in calls.items():
+            source.client.meta.events.register(
+                f"before-parameter-build.s3.{operation}",
+                lambda params, keys=keys, **_: keys.append(params.get("Key", "")),
+            )
+        return calls
+
+    plain = S3Source(f"s3://{bucket}/in/", endpoint_url=s3_server.endpoint_url, page_size=2)
+    calls = counted(plain)
+    listed = list(plain.documents())
+    assert calls == {"HeadObject": [], "ListObjectsV2": ["", ""]}  # two pages, no HEAD
+    assert all(set(item.metadata) == {"etag", "last_modified"} for item in listed)
+
+    asked = S3Source(
+        f"s3://{bucket}/in/", endpoint_url=s3_server.endpoint_url, page_size=2, user_metadata=True
+    )
+    calls = counted(asked)
+    items = list(asked.documents())
+    assert sorted(calls["HeadObject"]) == [f"in/q{n}.txt" for n in range(1, 5)]  # one each
+    assert [item.name for item in items] == ["q1.txt", "q2.txt", "q3.txt", "q4.txt"]
+    for item, before in zip(items, listed, strict=True):
+        assert item.metadata.get("filed") == filed.get(item.name)  # in lower case, as S3 has it
+        assert (item.metadata["etag"], item.metadata["last_modified"]) == (
+            before.metadata["etag"],
+            before.metadata["last_modified"],
+        )
+    shipped = pickle.loads(pickle.dumps(asked))  # as to a Ray read task: it still asks
+    assert [item.metadata.get("filed") for item in shipped.documents()][:1] == ["2023-08-04"]
+
+    # an object whose HEAD fails (deleted after its listing) is that object's error, only
+    gone = S3Source(f"s3://{bucket}/in/", endpoint_url=s3_server.endpoint_url, user_metadata=True)
+
+    def delete_q2(params: dict[str, Any], **_: Any) -> None:
+        if params["Key"] == "in/q2.txt":
+            client.delete_object(Bucket=bucket, Key="in/q2.txt")
+
+    gone.client.meta.events.register("before-parameter-build.s3.HeadObject", delete_q2)
+    errors = {item.name: item.error for item in gone.documents()}
+    assert [name for name, error in errors.items() if error] == ["q2.txt"]
+    assert errors["q2.txt"].startswith(f"its user metadata: s3://{bucket}/in/q2.txt does not ")
+    assert s3_server.secret_key not in errors["q2.txt"]
+
+
 # --- SQL --------------------------------------------------------------------------------------
 
 DOCS = sa.Table(

@@ -257,6 +257,21 @@ def test_progress_off_a_terminal_is_a_line_when_it_changed_and_the_last_one_alwa
     ]
 
 
+def test_the_progress_bar_shows_the_documents_read_only_with_collections() -> None:
+    from rich.console import Console
+
+    from pipeline.cli.progress import progress_bar
+
+    def shown(reading: RunProgress) -> str:
+        console = Console(file=io.StringIO(), force_terminal=True, width=200)
+        with progress_bar(console) as report:
+            report(reading)
+        return console.file.getvalue()  # type: ignore[attr-defined]
+
+    assert "chains answered 0/1 documents read 1/3" in shown(RunProgress(3, 8, 0, 1, 1, 3))
+    assert "documents read" not in shown(RunProgress(3, 8, 0, 1))
+
+
 def test_job_key_is_stable_and_follows_what_changes_the_answers() -> None:
     spec = job(sources=["docs"], output="out", questions=[QUESTION])
     questions = (Question("q0", QUESTION),)
@@ -507,6 +522,40 @@ def test_store_checkpoints_resume_and_export_one_row_per_question(
         ["q0", 1.0, "float32"],
         ["q1", 1.0, "float32"],
     ]
+
+
+def test_progress_counts_the_members_each_collection_chain_has_read(store: StateStore) -> None:
+    attempt = store.begin_run("run-c", {"what": "test"}).attempt
+
+    def collection(uri: str, cut: bool) -> DocumentRecord:
+        metadata: dict[str, Any] = {"members": ["m1", "m2", "m3"], "member_sha256": ["s"] * 3}
+        if cut:  # the segments of each member, in reading order
+            metadata["member_segments"] = [2, 1, 2]
+        return DocumentRecord("run-c", attempt, uri, "c", uri, "c" * 64, "collection", None,
+                              [], metadata, 100, 5)  # fmt: skip
+
+    chains = [PlannedChain("key-c0", "q0", "Q1?"), PlannedChain("key-c1", "q1", "Q2?")]
+    store.plan_document(collection("collection:c", cut=True), chains)
+    store.plan_document(
+        document("run-c", attempt, "file:///a"), [PlannedChain("key-a", "q0", "Q?")]
+    )
+    # a document alone counts no member; two chains of 3 members: 6 planned, none read
+    assert store.progress("run-c", attempt) == RunProgress(0, 15, 0, 3, 0, 6)
+
+    store.mark_running("key-c0")
+    store.record_step(step("key-c0", 0))
+    assert store.progress("run-c", attempt).members_done == 0  # half of the first member
+    store.record_step(step("key-c0", 1))
+    assert store.progress("run-c", attempt) == RunProgress(2, 15, 0, 3, 1, 6)  # 1 of 3
+    store.record_step(step("key-c0", 2))  # the second member's one segment
+    for index in range(5):
+        store.record_step(step("key-c1", index))
+    store.record_step(step("key-c1", 5, final=True))  # answered: every member read
+    assert store.progress("run-c", attempt) == RunProgress(9, 15, 1, 3, 2 + 3, 6)
+
+    # a collection of the same content shares its chains: it counts them by its original's cut
+    store.plan_document(collection("collection:same", cut=False), chains)
+    assert store.progress("run-c", attempt) == RunProgress(18, 27, 2, 5, 10, 12)
 
 
 def test_sqlite_store_takes_concurrent_writers(sqlite_url: str) -> None:

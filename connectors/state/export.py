@@ -4,7 +4,8 @@ superseded tables, streamed in batches, and its progress and counts."""
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy import Join, Table, and_, case, func, select
@@ -22,6 +23,7 @@ from connectors.state.schema import (
     steps,
 )
 from operators.core.chain import ChainStatus
+from operators.core.collection import COLLECTION_PARSER, members_read
 
 
 class ExportStore(Database):
@@ -181,8 +183,8 @@ class ExportStore(Database):
 
     @reconnecting
     def progress(self, run_id: str, attempt: int) -> RunProgress:
-        """Model calls done and planned, and chains answered and planned, of the chains the
-        run's attempt has planned so far."""
+        """Model calls done and planned, chains answered and planned, and the collections'
+        members read and planned, of the chains the run's attempt has planned so far."""
         query = (
             select(
                 func.coalesce(func.sum(chains.c.step), 0),
@@ -193,8 +195,20 @@ class ExportStore(Database):
             .select_from(_joined(chains))
             .where(of_attempt(run_id, attempt))
         )
+        collections = (
+            select(
+                chains.c.step,
+                chains.c.status,
+                documents.c.content_sha256,
+                documents.c.metadata,
+            )
+            .select_from(_with_documents(chains))
+            .where(of_attempt(run_id, attempt), documents.c.parser == COLLECTION_PARSER)
+        )
         with self._read() as connection:
-            return RunProgress(*connection.execute(query).one())
+            progress = RunProgress(*connection.execute(query).one())
+            members = list(connection.execute(collections))
+        return _with_members(progress, members) if members else progress
 
     @reconnecting
     def document_counts(self, run_id: str, attempt: int) -> tuple[int, int]:
@@ -222,6 +236,31 @@ class ExportStore(Database):
         with self._read() as connection:
             first, last = connection.execute(query).one()
         return 0.0 if first is None else last - first
+
+
+def _with_members(progress: RunProgress, rows: Sequence[Any]) -> RunProgress:
+    """`progress` with the collections' members read and planned, from each collection chain's
+    (step, status, content sha256, metadata): a DONE chain has read every member; another has
+    read those whose segments its steps have all read (`member_segments`, in the metadata of
+    a collection whose segments were cut; a duplicate collection, whose chains are its
+    original's, takes them from a collection of the same content)."""
+    parsed = [
+        (step, status, content, json.loads(text or "{}")) for step, status, content, text in rows
+    ]
+    cut = {
+        content: meta["member_segments"]
+        for _, _, content, meta in parsed
+        if "member_segments" in meta
+    }
+    done = planned = 0
+    for step, status, content, meta in parsed:
+        count = len(meta.get("members") or ())
+        planned += count
+        if status == ChainStatus.DONE.value:
+            done += count
+        elif content in cut:
+            done += min(count, members_read(cut[content], step))
+    return replace(progress, members_done=done, members_planned=planned)
 
 
 def trajectory_row(row: Mapping[str, Any]) -> dict[str, Any]:

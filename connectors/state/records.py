@@ -112,6 +112,10 @@ class RunProgress:
     steps_planned: int
     chains_done: int
     chains_planned: int
+    # Of the collections' chains: the members each has read whole, and each one's member count,
+    # summed over the chains (a collection asked two questions counts its members twice).
+    members_done: int = 0
+    members_planned: int = 0
 
 
 @dataclass(frozen=True)

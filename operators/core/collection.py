@@ -38,6 +38,7 @@ from operators.core.segmentation import (
 OrderBy = Literal["listed", "name", "mtime"]
 ORDERS: tuple[str, ...] = get_args(OrderBy)
 METADATA_ORDER = "metadata."
+COLLECTION_PARSER = "collection"  # a collection's `parser` in the store's documents table
 _SHOWN_VALUE = 40  # characters of a metadata value a header shows
 
 
@@ -156,6 +157,28 @@ def segment_collection(
         for piece in segment(tokenized, tokenizer, config):
             segments.append(in_collection(piece, len(segments), ref))
     return CollectionSegments(segments, n_tokens, refs)
+
+
+def member_segments(segments: Sequence[Segment], count: int) -> list[int]:
+    """How many of a collection's segments each of its `count` members has, in reading order
+    (a member cut into none: 0)."""
+    counts = [0] * count
+    for piece in segments:
+        if piece.document is not None:
+            counts[piece.document.position - 1] += 1
+    return counts
+
+
+def members_read(segments_per_member: Sequence[int], steps_done: int) -> int:
+    """How many members, from the first, a chain has read whole after `steps_done` steps (step
+    k reads segment k, so a member is read once the step after its last segment has run)."""
+    read = end = 0
+    for count in segments_per_member:
+        end += count
+        if end > steps_done:
+            break
+        read += 1
+    return read
 
 
 def in_collection(piece: Segment, index: int, ref: DocumentRef) -> Segment:

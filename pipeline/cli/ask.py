@@ -18,7 +18,14 @@ from connectors.engines.factory import EngineSpec, load_tokenizer, open_checked_
 from connectors.state.records import RunProgress
 from operators.config import MethodConfig, check_context_fit
 from operators.core.chain import ChainStatus, MemoryChain, StepRecord
-from operators.core.collection import ORDERS, Member, order_members, with_longest_header
+from operators.core.collection import (
+    ORDERS,
+    Member,
+    member_segments,
+    members_read,
+    order_members,
+    with_longest_header,
+)
 from operators.core.document import Document
 from operators.core.evidence import Evidence
 from operators.parsing import ParseError, parse_document
@@ -188,7 +195,21 @@ async def run_with_progress(
 ) -> tuple[dict[str, list[ChainResult]], dict[str, float]]:
     started = time.perf_counter()
     chains = [chain for document in prepared for chain in document.chains]
-    planned = RunProgress(0, sum(chain.n_steps for chain in chains), 0, len(chains))
+    # a collection's chains: the segments of each member, and the members read so far
+    cut = {
+        chain.chain_id: member_segments(document.segments, len(document.documents))
+        for document in prepared
+        if document.documents
+        for chain in document.chains
+    }
+    read = dict.fromkeys(cut, 0)
+    planned = RunProgress(
+        0,
+        sum(chain.n_steps for chain in chains),
+        0,
+        len(chains),
+        members_planned=sum(len(counts) for counts in cut.values()),
+    )
     with progress_bar(console, starting=f"starting the engine for {spec.model}") as show:
         show(replace(planned, steps_planned=0))
         async with terminal.interrupted_by_ctrl_c():
@@ -200,10 +221,16 @@ async def run_with_progress(
 
                 def step_done(chain: MemoryChain, _: StepRecord) -> None:
                     nonlocal done
+                    members = done.members_done
+                    if chain.chain_id in cut:
+                        now = members_read(cut[chain.chain_id], chain.step)
+                        members += now - read[chain.chain_id]
+                        read[chain.chain_id] = now
                     done = replace(
                         done,
                         steps_done=done.steps_done + 1,
                         chains_done=done.chains_done + chain.done,
+                        members_done=members,
                     )
                     show(done)
 

@@ -34,11 +34,12 @@ def progress_bar(console: Console, starting: str = "starting") -> Iterator[Progr
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("chains answered {task.fields[chains]}"),
+        TextColumn("{task.fields[members]}"),
         TimeElapsedColumn(),
         TextColumn("{task.fields[left]}"),
     )
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task(starting, total=None, chains="0/0", left="")
+        task = bar.add_task(starting, total=None, chains="0/0", members="", left="")
         first_done_at: list[tuple[float, int]] = []
 
         def update(progress: RunProgress) -> None:
@@ -50,10 +51,19 @@ def progress_bar(console: Console, starting: str = "starting") -> Iterator[Progr
                 completed=progress.steps_done,
                 total=progress.steps_planned or None,
                 chains=f"{progress.chains_done}/{progress.chains_planned}",
+                members=members_read(progress),
                 left=_time_left(progress, first_done_at),
             )
 
         yield update
+
+
+def members_read(progress: RunProgress) -> str:
+    """The collections' members read whole, of those planned: `documents read 3/7`; "" for a
+    job without collections."""
+    if not progress.members_planned:
+        return ""
+    return f"documents read {progress.members_done}/{progress.members_planned}"
 
 
 def _time_left(progress: RunProgress, first_done_at: list[tuple[float, int]]) -> str:
@@ -115,9 +125,12 @@ def progress_lines(
                 console.print(f"{starting}, {now - started:.0f} s")
                 return
             left = _time_left(progress, first_done_at)
+            members = members_read(progress)
             console.print(
                 f"model calls {progress.steps_done}/{progress.steps_planned}, chains answered "
-                f"{progress.chains_done}/{progress.chains_planned}, {now - started:.0f} s"
+                f"{progress.chains_done}/{progress.chains_planned}"
+                + (f", {members}" if members else "")
+                + f", {now - started:.0f} s"
                 + (f", {left}" if left else "")
             )
 

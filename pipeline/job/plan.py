@@ -26,6 +26,7 @@ from connectors.state.database import StateStoreError
 from connectors.state.store import StateStore
 from operators.config import ConfigError, check_context_fit
 from operators.core.chain import CHARS_PER_TOKEN
+from operators.core.collection import metadata_key
 from operators.engine import EngineError
 from pipeline.job.spec import JobError, JobSpec, OutputSpec
 from pipeline.stages.run import CollectionPlan, Question
@@ -60,6 +61,7 @@ def plan_job(spec: JobSpec) -> JobPlan:
     questions = resolve_questions(spec)
     collections = resolve_collections(spec)
     sources = [_open_source(source) for source in spec.sources]
+    fetch_order_fields(sources, collections)
     for source in sources:
         try:
             source.check()
@@ -109,6 +111,22 @@ def _open_source(source: str | dict[str, Any]) -> Source:
         return open_source(source)
     except SourceError as error:
         raise JobError(str(error)) from None
+
+
+def fetch_order_fields(sources: Sequence[Source], collections: Sequence[CollectionPlan]) -> None:
+    """Has each S3 source whose documents a collection orders by a field its listing lacks
+    (`metadata.<key>`, the key not `etag` or `last_modified`) fetch its objects' user metadata:
+    one HEAD request an object, only then."""
+    keys = [(c.source, metadata_key(c.order_by)) for c in collections if metadata_key(c.order_by)]
+    if not keys:
+        return
+    from connectors.s3 import LISTED_FIELDS, S3Source
+
+    for index, source in enumerate(sources):
+        if isinstance(source, S3Source) and any(
+            key not in LISTED_FIELDS and only in (None, index) for only, key in keys
+        ):
+            source.user_metadata = True
 
 
 def resolve_questions(spec: JobSpec) -> tuple[Question, ...]:

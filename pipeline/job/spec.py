@@ -140,7 +140,7 @@ class CollectionSpec:
             description="the reading order; listed: by the `documents` globs as written, then by "
             "name within a glob; name: by name; mtime: oldest first (local files); "
             "metadata.<key>: by the source's field <key> (an SQL or dataset column in "
-            "`metadata_columns`, an S3 object's `last_modified`), lowest first"
+            "`metadata_columns`, an S3 object's `last_modified` or user metadata), lowest first"
         ),
     ] = "listed"
 

@@ -116,10 +116,16 @@ def watching(
 
 
 def log_progress(progress: RunProgress) -> None:
+    members = (
+        f", documents read {progress.members_done}/{progress.members_planned}"
+        if progress.members_planned
+        else ""
+    )
     logger.info(
-        "model calls %d/%d, chains answered %d/%d",
+        "model calls %d/%d, chains answered %d/%d%s",
         progress.steps_done,
         progress.steps_planned,
         progress.chains_done,
         progress.chains_planned,
+        members,
     )

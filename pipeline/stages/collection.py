@@ -37,8 +37,10 @@ from connectors.state.database import StateStoreError
 from operators.config import ConfigError, check_context_fit
 from operators.core.chain import ChainStatus
 from operators.core.collection import (
+    COLLECTION_PARSER,
     Member,
     collection_sha256,
+    member_segments,
     member_sha256,
     order_members,
     segment_collection,
@@ -59,7 +61,6 @@ logger = logging.getLogger(__name__)
 
 COLLECTION_COLUMN = "collection"  # the group key: the collection's name
 MEMBER_SCHEMA = DOCUMENT_SCHEMA.append(pa.field(COLLECTION_COLUMN, pa.string()))
-PARSER = "collection"  # the `parser` of a collection's row in the store's documents table
 CONTINUED = "continued from run "  # how the note on a continued chain begins
 
 
@@ -184,17 +185,20 @@ class CollectionStage:
             segments = tuple(cut.segments)
             n_tokens = cut.n_tokens
         hashes = [member_sha256(member, key) for member, key in ordered]
+        metadata: dict[str, Any] = {
+            "order_by": collection.order_by,
+            "members": [member.doc_id for member, _ in ordered],
+            "member_sha256": hashes,
+            "skipped": [d.uri for d in skipped],
+        }
+        if segments is not None:  # what progress counts members read by (ExportStore.progress)
+            metadata["member_segments"] = member_segments(segments, len(ordered))
         document = replace(
             anchor,
             content_sha256=content,
-            parser=PARSER,
+            parser=COLLECTION_PARSER,
             warnings=notes,
-            metadata={
-                "order_by": collection.order_by,
-                "members": [member.doc_id for member, _ in ordered],
-                "member_sha256": hashes,
-                "skipped": [d.uri for d in skipped],
-            },
+            metadata=metadata,
             n_tokens=n_tokens,
             segments=segments,
         )
