@@ -160,7 +160,7 @@ def test_numbers_match_whole_numbers_only():
     # "25" stands alone once, in "25%" far from these terms; "125" and "25.5" do not count.
     grounding = find_evidence("What percentage of staff work remotely?", "25", "", REPORT_SEGMENTS)
     assert not grounding.grounded
-    assert "appears 1 time(s)" in grounding.reason
+    assert "printed 1 time(s)" in grounding.reason  # by value, as a percentage asked
     # An amount is found by value: "1250" is the "1,250" printed beside "employees".
     by_value = find_evidence("How many employees?", "1250", "", REPORT_SEGMENTS)
     assert by_value.grounded, by_value.reason
@@ -443,6 +443,49 @@ def test_a_title_question_needs_an_answer_that_names_a_kind_of_document():
     ).grounded
     title = find_evidence(question, "Master Services Agreement", "", CONTRACT_SEGMENTS)
     assert "kind of document" not in title.reason
+
+
+CHANGE_FILING = (
+    FILLER * 2 + NET_SALES_NOTE * 2 + "\nNet sales by category (dollars in millions):\n"
+    "iPhone (1) $ 40,665 $ 39,570 3 % $ 162,863 $ 153,105 6 %\n"
+    "Mac 7,382 8,235 (10)% 28,669 26,012 10 %\n"
+    "(1) Products and accessories.\n"
+    "Services net sales increased $1,303 million during the third quarter compared to the same "
+    "quarter a year earlier.\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("question", "answer", "grounded", "why"),
+    [
+        # A bare number asked in dollars is an amount: the figure rule looks for its row.
+        ("What were Mac net sales, in millions of dollars?", "7,382", True, "table row"),
+        ("What were Mac net sales, in millions of dollars?", "14", False, "not printed"),
+        # A percentage printed is no amount of money; a footnote marker no amount at all.
+        ("By how much, in millions of dollars, did iPhone net sales increase?", "3", False,
+         "no amount"),
+        ("What were iPhone net sales, in millions of dollars?", "1", False, "no amount"),
+        # A change: a table's cell is a level, a sentence may state the change.
+        ("By how much, in millions of dollars, did Mac net sales decrease?", "7,382", False,
+         "asks for a change"),
+        ("By how much, in millions of dollars, did Services net sales increase?", "$1,303 million",
+         True, "sentence"),
+    ],
+)  # fmt: skip
+def test_bare_numbers_and_changes_follow_the_figure_rule(
+    question: str, answer: str, grounded: bool, why: str
+):
+    grounding = find_evidence(question, answer, "", make_segments(CHANGE_FILING, 4000))
+    assert grounding.grounded is grounded, grounding.reason
+    assert why in grounding.reason
+
+
+def test_a_year_alone_is_no_finding_unless_a_year_is_asked():
+    segments = make_segments(CHANGE_FILING + "Mac sales fell in 2022 as laptops aged.\n", 4000)
+    mac = find_evidence("Which Mac sales fell the most?", "2022", "", segments)
+    assert not mac.grounded and "reporting period" in mac.reason
+    asked = find_evidence("In which year did Mac sales fall?", "2022", "", segments)
+    assert "reporting period" not in asked.reason
 
 
 def test_page_furniture_is_no_finding_however_near_the_question_terms():

@@ -45,6 +45,13 @@ cannot be told apart, only the first amount grounds an answer: financial stateme
 current period first. An answer that states amounts within a sentence ("revenue of $12.2
 billion and $11.9 billion") is matched by the general rule and, besides, is grounded only when
 one of its amounts is printed in a record that names the question's key terms.
+A question that asks for money ("in millions of dollars", "per share", "$") or a percentage
+makes a bare number ("14", "1.20") an amount too, found by the same rule, where a printed
+percentage is no amount of money; a bare number under ten without decimals is never grounded
+(filings print "1" as a note number or a footnote marker). A question that asks for a change
+("By how much did iPhone net sales increase ...") is not answered by a table's cell, which is
+one period's level: an amount (not a percentage) printed only in table rows is not grounded;
+a sentence that states it ("increased $1.2 billion") grounds it.
 
 No answer (None, blank, or the model saying the document does not tell), a yes/no answer and an
 answer without words or numbers are never grounded: there is nothing to locate.
@@ -59,9 +66,10 @@ answer that names a kind of document (`DOCUMENT_KINDS`: "Outsourcing Agreement")
 name or a signatory's "Title: Director", found beside the question's terms, is not a title.
 
 Page furniture is no finding: an answer that only names a reporting period ("Three Months Ended
-April 1, 2023", unless the question asks when, or for a period or quarter) or that is a line the
-document prints `RUNNING_LINE_MIN_PAGES` times or more, numbers aside (a running footer, "Apple
-Inc. | Q2 2023 Form 10-Q | 9"), is never grounded, however close to the question's terms.
+April 1, 2023", or a year alone, unless the question asks when, or for a period, quarter or year)
+or that is a line the document prints `RUNNING_LINE_MIN_PAGES` times or more, numbers aside (a
+running footer, "Apple Inc. | Q2 2023 Form 10-Q | 9"), is never grounded, however close to the
+question's terms.
 
 In every case the evidence also shows where the final memory's most relevant sentences came
 from (matches="memory", fuzzy score at least `min_score`; the initial memory and dropped-lines
@@ -169,11 +177,24 @@ _DAY_OR_YEAR = re.compile(r"(?:[12]?\d|3[01]|(?:19|20)\d\d)")
 # alone is a duration.
 _DURATION_WORDS = "three six nine twelve month months year years quarter quarters fiscal period"
 _PERIOD_ENDS = PERIOD_WORDS - frozenset(_DURATION_WORDS.split())
-_ASKS_FOR_A_PERIOD = frozenset({"when", "period", "periods", "quarter", "quarters"})
+_ASKS_FOR_A_PERIOD = frozenset({"when", "period", "periods", "quarter", "quarters", "year"})
 _LETTERS = re.compile(r"[^\W\d_]+")
 # What tells a table's period columns apart: a year, or the span of months.
 _PERIOD_KEYS = re.compile(r"\b(?:19|20)\d\d\b|\b(?:three|six|nine|twelve)\b")
 _SCALE_READINGS = (1.0, 1e3, 1e6, 1e9)  # a printed figure's scale is in a heading far away
+# A question that asks for money, or for money or a share: a bare number answering it is an
+# amount too, and a percentage printed is no amount of money.
+_ASKS_FOR_MONEY = re.compile(
+    r"\$|\b(?:dollars?|millions?|billions?|thousands?|per share)\b", re.IGNORECASE
+)
+_ASKS_FOR_A_SHARE = re.compile(r"\bpercent(?:age)?\b", re.IGNORECASE)
+_BARE_NUMBER = re.compile(r"[-+(]?\d[\d,]*(?:\.\d+)?\)?")
+# A question that asks how much something changed: a table prints levels, not the change.
+_ASKS_FOR_A_CHANGE = re.compile(
+    r"\bby how much\b|\bhow much did\b.*\b(?:increase|decrease|change|grow|decline|rise|fall)|"
+    r"\b(?:difference|change) (?:in|between)\b",
+    re.IGNORECASE,
+)
 
 
 _TOKEN = re.compile(r"[^\W_]+")
@@ -340,7 +361,7 @@ def _not_a_finding(answer: str, question: str, corpus: _Corpus) -> str | None:
     if (
         words
         and all(w in PERIOD_WORDS or _DAY_OR_YEAR.fullmatch(w) for w in words)
-        and any(w in _PERIOD_ENDS for w in words)
+        and (any(w in _PERIOD_ENDS for w in words) or (len(words) == 1 and len(words[0]) == 4))
         and not asks_for_date(question)
         and not _ASKS_FOR_A_PERIOD & set(_words(question))
     ):
@@ -666,14 +687,30 @@ def _ground_figure(
     """The figure rule (see the module's docstring); None when the answer does not state
     exactly one figure or says the document does not tell."""
     figures = find_figures(answer)
-    if len(figures) != 1 or says_not_in_document(answer) or not _is_amount(figures[0]):
+    if len(figures) != 1 or says_not_in_document(answer):
         return None
     stated = figures[0]
+    asks_for_amount = _ASKS_FOR_MONEY.search(question) or _ASKS_FOR_A_SHARE.search(question)
+    if not (_is_amount(stated) or (asks_for_amount and _is_bare(answer))):
+        return None
     besides = _content_words(answer[: stated.start] + " " + answer[stated.end :])
     if len([w for w in besides if w not in _UNIT_WORDS]) > FIGURE_ANSWER_MAX_WORDS:
         return None  # a sentence with a figure in it: the general rule matches it whole
-    printed, good = _figure_sites(stated, question, corpus)
     shown = answer.strip()[stated.start : stated.end] or "the figure"
+    if not _is_amount(stated) and abs(stated.value) < 10 and not stated.decimals:
+        return [], False, f"{shown} alone is no amount: a filing prints it as a note or footnote."
+    printed, good = _figure_sites(stated, question, corpus)
+    if good and not stated.percent and _ASKS_FOR_A_CHANGE.search(question):
+        good = [site for site in good if not site[2]]  # a table's cells are levels
+        if not good:
+            return (
+                [],
+                False,
+                (
+                    f"The question asks for a change, and {shown} is printed only as a table "
+                    "cell: a level of one period, not the change between periods."
+                ),
+            )
     if not good:
         if printed:
             return (
@@ -709,7 +746,10 @@ def _figure_sites(
     counts = {t: n for t in terms if (n := len(_term_positions(corpus, t)))}
     keys = {t for t in counts if counts[t] <= KEY_TERM_SPREAD * min(counts.values())}
     asked = set(_PERIOD_KEYS.findall(question.lower()))
-    printed = [f for f in find_figures(corpus.text) if _states(stated, f)]
+    money = bool(_ASKS_FOR_MONEY.search(question)) and not stated.percent
+    printed = [
+        f for f in find_figures(corpus.text) if _states(stated, f) and not (money and f.percent)
+    ]
     good: list[tuple[int, _Match, list[str], bool]] = []
     for figure in printed:
         start, end, is_row = _record(corpus, figure.start)
@@ -758,6 +798,11 @@ def _other_period(cell: str, cells: str, asked: set[str]) -> bool:
     from the cell's header."""
     told_apart = asked & set(_PERIOD_KEYS.findall(cells))
     return bool(told_apart - set(_PERIOD_KEYS.findall(cell)))
+
+
+def _is_bare(answer: str) -> bool:
+    """An answer that is a number and nothing else ("1", "-17", "1.20")."""
+    return bool(_BARE_NUMBER.fullmatch(answer.strip().rstrip(".")))
 
 
 def _is_amount(figure: Figure) -> bool:
