@@ -36,6 +36,7 @@ import common
 from connectors.engines import models
 from connectors.engines.hardware import detect
 from pipeline.training.config import TrainConfig
+from pipeline.training.curve import plot_learning_curve
 from pipeline.training.trainer import (
     CHECKPOINT_DIR,
     METRICS_FILE,
@@ -209,7 +210,7 @@ def write_report(output: Path, run_dir: Path, state: dict[str, Any]) -> None:
         else []
     )
     if metrics:
-        plot_rewards(metrics, output / "reward_curve.png")
+        plot_learning_curve(metrics, [], output / "reward_curve.png")
     lines = ["# Multi-Conv DAPO on the CPU: keeping a fact through the memory", ""]
     lines.append(f"CPU: {state.get('cpu')}; config: `{json.dumps(state['config'])}`")
     lines.append("")
@@ -262,25 +263,6 @@ def write_report(output: Path, run_dir: Path, state: dict[str, Any]) -> None:
             )
     (output / "results.md").write_text("\n".join(lines) + "\n")
     print((output / "results.md").read_text())
-
-
-def plot_rewards(metrics: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [row["step"] for row in metrics]
-    rewards = [row["reward_mean"] for row in metrics]
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    axis.plot(steps, rewards, marker="o", linewidth=1)
-    axis.set_xlabel("training step")
-    axis.set_ylabel("mean reward of the rollouts")
-    axis.set_ylim(0, 1)
-    axis.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 if __name__ == "__main__":

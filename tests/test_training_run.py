@@ -20,6 +20,7 @@ from operators.engine import Completion, GenerationRequest, SamplingConfig
 from pipeline.cli.main import build_parser
 from pipeline.training.algorithm import TrainingAlgorithmConfig
 from pipeline.training.config import TrainConfig
+from pipeline.training.curve import CURVE_FILE
 from pipeline.training.learner import Conversation, Learner, LearnerConfig
 from pipeline.training.rollout import (
     PromptSplicer,
@@ -31,9 +32,11 @@ from pipeline.training.rollout import (
 from pipeline.training.rollout_engines import shares
 from pipeline.training.trainer import (
     CHECKPOINT_DIR,
+    HELDOUT_FILE,
     METRICS_FILE,
     ROLLOUTS_DIR,
     SampleSource,
+    draw_learning_curve,
     read_rollouts,
     run_training,
 )
@@ -189,6 +192,21 @@ def test_a_share_of_a_draw_samples_what_the_whole_draw_does(tmp_path: Path, toke
     assert roll(samples[3:], 0) != whole[3:]  # the offset is what keeps them
 
 
+def test_the_learning_curve_is_drawn_from_the_run_s_lines(tmp_path: Path) -> None:
+    (tmp_path / METRICS_FILE).write_text(
+        "".join(json.dumps({"step": k, "reward_mean": k / 10}) + "\n" for k in (1, 2, 3))
+    )
+    draw_learning_curve(tmp_path, log=pytest.fail)
+    alone = (tmp_path / CURVE_FILE).read_bytes()
+    (tmp_path / HELDOUT_FILE).write_text(json.dumps({"step": 0, "strict": 0.3}) + "\n")
+    draw_learning_curve(tmp_path, log=pytest.fail)
+    assert alone.startswith(b"\x89PNG") and (tmp_path / CURVE_FILE).read_bytes() != alone
+    messages: list[str] = []
+    (tmp_path / METRICS_FILE).write_text(json.dumps({"step": 4}) + "\n")  # no reward: logged
+    draw_learning_curve(tmp_path, log=messages.append)
+    assert messages and "learning curve not drawn" in messages[0]
+
+
 @pytest.mark.engine
 def test_two_steps_run_and_resume_on_the_real_engine(tmp_path: Path) -> None:
     config = TrainConfig(
@@ -204,6 +222,7 @@ def test_two_steps_run_and_resume_on_the_real_engine(tmp_path: Path) -> None:
         config.model_copy(update={"steps": 2, "resume": True}), log=lambda message: None
     )
     assert [row["step"] for row in first + second] == [1, 2]
+    assert (config.output / CURVE_FILE).stat().st_size > 0  # redrawn after every step
     logged = [json.loads(line) for line in (config.output / METRICS_FILE).read_text().splitlines()]
     assert [row["step"] for row in logged] == [1, 2]
     for step, row in enumerate(logged, start=1):

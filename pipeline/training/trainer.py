@@ -46,6 +46,7 @@ from pipeline.training.algorithm import (
 )
 from pipeline.training.config import TaskName, TrainConfig
 from pipeline.training.contract_fields import generate_field_samples
+from pipeline.training.curve import CURVE_FILE, plot_learning_curve
 from pipeline.training.learner import (
     ADAPTER_DIR,
     Conversation,
@@ -175,6 +176,7 @@ def run_training(
             batch = asyncio.run(_roll_out(config, engines, weights, sampler, step))
             written.append(learn_from_batch(config, learner, step, batch, log=log))
             score_heldout_when_due(config, learner.updates, log=log)
+            draw_learning_curve(output, log=log)
     finally:
         if engines is not None:
             engines.close()
@@ -200,7 +202,7 @@ def score_heldout_when_due(
     started = time.perf_counter()
     summary = heldout_summary(score_heldout(config, weights, config.heldout_samples))
     summary["seconds"] = time.perf_counter() - started
-    best = max((line["strict"] for line in heldout_lines(path)), default=None)
+    best = max((line["strict"] for line in json_lines(path)), default=None)
     summary["best"] = best is None or summary["strict"] > best
     adapter = weights / ADAPTER_DIR
     if summary["best"] and step and adapter.is_dir():  # LoRA: keep the best adapter apart
@@ -216,8 +218,19 @@ def score_heldout_when_due(
     return {"step": step, **summary}
 
 
-def heldout_lines(path: Path) -> list[dict[str, Any]]:
-    """The lines of `heldout.jsonl` at `path`, in order (none if it is not there)."""
+def draw_learning_curve(output: Path, *, log: Callable[[str], object] = print) -> None:
+    """Redraws the run's `learning_curve.png` from its metrics and held-out lines; a chart that
+    cannot be drawn is logged, never a reason to stop training."""
+    metrics = json_lines(output / METRICS_FILE)
+    try:
+        plot_learning_curve(metrics, json_lines(output / HELDOUT_FILE), output / CURVE_FILE)
+    except Exception as error:  # matplotlib, a full disk: the run goes on
+        log(f"learning curve not drawn: {type(error).__name__}: {error}")
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of `path` (`heldout.jsonl`, `metrics.jsonl`), in order; none if it is not
+    there."""
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -225,7 +238,7 @@ def heldout_lines(path: Path) -> list[dict[str, Any]]:
 
 def heldout_steps(path: Path) -> set[int]:
     """The steps `heldout.jsonl` at `path` has a line for."""
-    return {int(line["step"]) for line in heldout_lines(path)}
+    return {int(line["step"]) for line in json_lines(path)}
 
 
 def _copy_adapter(adapter: Path, step: int, folder: Path) -> None:
