@@ -112,7 +112,10 @@ class SeaweedFS:
             "-master.peers=none",
             f"-volume.port={ports['volume']}",
             f"-volume.port.grpc={ports['volume.grpc']}",
-            "-volume.max=100",
+            # A bucket is a collection that takes 7 volumes as it gets its first object: 100
+            # held 14 buckets, fewer than a test session makes. Volumes are files written as
+            # they fill, so a higher cap costs nothing until used.
+            "-volume.max=1000",
             "-volume.preStopSeconds=0",
             "-filer",
             f"-filer.port={ports['filer']}",
