@@ -29,6 +29,7 @@ BENCHMARKS = (
     "pipeline_overhead",
     "corpus_efficiency",
     "incremental",
+    "collection_barrier",
 )
 SERVING = "bench_serving"
 RESULT_NAMES = {SERVING: "serving"}  # script -> the name of its results file, where they differ
