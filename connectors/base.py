@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, Future
 from typing import Any, Protocol, runtime_checkable
 
 from operators.core.document import Document
@@ -109,3 +112,21 @@ def plain_value(value: Any) -> Any:
     if hasattr(value, "isoformat"):
         return value.isoformat()
     return str(value)
+
+
+def bounded_map(
+    pool: Executor,
+    function: Callable[[Document], Document],
+    items: Iterable[Document],
+    window: int,
+) -> Iterator[Document]:
+    """`pool.map`, in order, with at most `window` items submitted ahead: `pool.map` takes its
+    whole input first (a whole listing)."""
+    iterator = iter(items)
+    pending: deque[Future[Document]] = deque(
+        pool.submit(function, item) for item in itertools.islice(iterator, window)
+    )
+    while pending:
+        done = pending.popleft().result()
+        pending.extend(pool.submit(function, item) for item in itertools.islice(iterator, 1))
+        yield done

@@ -18,9 +18,8 @@ fails the read task, and with it the job, with its message.
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -30,7 +29,7 @@ import pyarrow as pa
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from connectors.base import Source, SourceError, SourceUnavailable
+from connectors.base import Source, SourceError, SourceUnavailable, bounded_map
 from operators.core.document import DOCUMENT_SCHEMA, Document
 
 logger = logging.getLogger(__name__)
@@ -110,7 +109,7 @@ def with_content(source: Source, items: Iterable[Document]) -> Iterator[Document
         yield from (_fetched(source, item) for item in items)
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="memstream-read") as pool:
-        yield from _bounded_map(pool, partial(_fetched, source), items, window=2 * threads)
+        yield from bounded_map(pool, partial(_fetched, source), items, window=2 * threads)
 
 
 def _fetched(source: Source, item: Document) -> Document:
@@ -124,22 +123,6 @@ def _fetched(source: Source, item: Document) -> Document:
         return replace(item, error=str(error))
     except OSError as error:
         return replace(item, error=f"cannot read {item.uri}: {error}")
-
-
-def _bounded_map(
-    pool: ThreadPoolExecutor,
-    function: Callable[[Document], Document],
-    items: Iterable[Document],
-    window: int,
-) -> Iterator[Document]:
-    """pool.map, in order, with at most `window` items read ahead (pool.map takes its whole
-    input first)."""
-    iterator = iter(items)
-    pending = [pool.submit(function, item) for item in itertools.islice(iterator, window)]
-    while pending:
-        done = pending.pop(0).result()
-        pending.extend(pool.submit(function, item) for item in itertools.islice(iterator, 1))
-        yield done
 
 
 def blocks_of(rows: Iterable[dict[str, Any]], block_bytes: int = BLOCK_BYTES) -> Iterator[pa.Table]:

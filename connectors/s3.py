@@ -14,10 +14,8 @@ source's `read_threads` threads, and merged into its metadata.
 from __future__ import annotations
 
 import functools
-import itertools
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 from urllib.parse import urlparse
@@ -27,7 +25,14 @@ import pyarrow.fs as pafs
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
-from connectors.base import SourceError, SourceUnavailable, is_hidden, is_sidecar, parse_sidecar
+from connectors.base import (
+    SourceError,
+    SourceUnavailable,
+    bounded_map,
+    is_hidden,
+    is_sidecar,
+    parse_sidecar,
+)
 from connectors.output import (
     S3_CONNECT_TIMEOUT_S,
     S3_MAX_ATTEMPTS,
@@ -152,7 +157,7 @@ class S3Source:
             return
         threads = max(1, self.read_threads)
         with ThreadPoolExecutor(threads, thread_name_prefix="memstream-s3-head") as pool:
-            yield from _bounded_map(
+            yield from bounded_map(
                 pool, self._with_user_metadata, self._listed_documents(), 2 * threads
             )
 
@@ -288,24 +293,6 @@ class S3Source:
 
 # One per process and settings: its AWS SDK client is costly.
 _s3_filesystem = functools.cache(s3_filesystem)
-
-
-def _bounded_map(
-    pool: ThreadPoolExecutor,
-    function: Callable[[Document], Document],
-    items: Iterable[Document],
-    window: int,
-) -> Iterator[Document]:
-    """pool.map, in order, with at most `window` items ahead (pool.map takes its whole input
-    first: the whole listing)."""
-    iterator = iter(items)
-    pending: deque[Future[Document]] = deque(
-        pool.submit(function, item) for item in itertools.islice(iterator, window)
-    )
-    while pending:
-        done = pending.popleft().result()
-        pending.extend(pool.submit(function, item) for item in itertools.islice(iterator, 1))
-        yield done
 
 
 def _first_line(message: str) -> str:
