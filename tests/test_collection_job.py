@@ -466,10 +466,8 @@ def filings(tmp_path: Path, filed: dict[str, str | None]) -> SqlSource:
     )
 
 
-def test_members_are_read_in_the_order_of_a_source_field(tmp_path: Path, store_url: str) -> None:
-    dates = {"2023-q1.txt": "2023-08-04", "2023-q2.txt": "2023-02-03", "2023-q3.txt": "2023-05-05"}
-    source = filings(tmp_path, dict(dates))
-    run = run_stages(tmp_path, store_url, "run-1", (quarters("metadata.filed"),), source=source)
+def assert_read_by_filing_date(run: StagesRun) -> None:
+    """The quarters' collection answered, its members read oldest filing first."""
     assert not run.errors and run.answers["quarters"]["status"] == "done"
     assert run.engine is not None
     assert [h for h in headers_read(run.engine) if "continued" not in h] == [
@@ -477,6 +475,13 @@ def test_members_are_read_in_the_order_of_a_source_field(tmp_path: Path, store_u
         "## Document 2 of 3: 2023-q3.txt (filed 2023-05-05)",
         "## Document 3 of 3: 2023-q1.txt (filed 2023-08-04)",
     ]
+
+
+def test_members_are_read_in_the_order_of_a_source_field(tmp_path: Path, store_url: str) -> None:
+    dates = {"2023-q1.txt": "2023-08-04", "2023-q2.txt": "2023-02-03", "2023-q3.txt": "2023-05-05"}
+    source = filings(tmp_path, dict(dates))
+    run = run_stages(tmp_path, store_url, "run-1", (quarters("metadata.filed"),), source=source)
+    assert_read_by_filing_date(run)
     documents = {item.get("document") for item in json.loads(run.answers["quarters"]["evidence"])}
     assert documents == {"doc 1: 2023-q2.txt, filed 2023-02-03"}
 
@@ -505,13 +510,7 @@ def test_members_are_read_in_the_order_of_an_s3_objects_user_metadata(
     assert source.user_metadata
 
     run = run_stages(tmp_path, store_url, "run-1", (by_field,), source=source)
-    assert not run.errors and run.answers["quarters"]["status"] == "done"
-    assert run.engine is not None
-    assert [h for h in headers_read(run.engine) if "continued" not in h] == [
-        "## Document 1 of 3: 2023-q2.txt (filed 2023-02-03)",
-        "## Document 2 of 3: 2023-q3.txt (filed 2023-05-05)",
-        "## Document 3 of 3: 2023-q1.txt (filed 2023-08-04)",
-    ]
+    assert_read_by_filing_date(run)
 
 
 def test_a_collection_whose_member_lacks_the_order_field_is_an_errors_row(
