@@ -23,12 +23,13 @@ TRAIN_ARGS ?=
 # rank 8) in the format users run: its default strategy verified-quotes, the multi-fact and
 # filing-figures tasks in turn, 1,000-token chunks and a 256-token memory (the longest the time
 # box affords; docs/guide/training.md#training-the-default-model), the learner in
-# TRAIN_DEFAULT_DTYPE (bench/results/learner_dtype.md), the held-out split scored every 5 steps.
+# TRAIN_DEFAULT_DTYPE (auto: bfloat16 autocast where the CPU has native bf16, 2.7x float32 there,
+# bench/results/learner_dtype.md; float32 where bf16 is emulated), held-out scored every 5 steps.
 # Resumes where it stopped; its log is appended to TRAIN_DEFAULT_OUT/train.log. Hours: start it
 # in the background (`nohup make train-default &`) and apply the stop rule in the guide.
 # TRAIN_DEFAULT_ARGS go last to `memstream train` (e.g. --steps 1 --samples-per-step 1).
 TRAIN_DEFAULT_OUT ?= runs/train-default
-TRAIN_DEFAULT_DTYPE ?= bfloat16
+TRAIN_DEFAULT_DTYPE ?= auto
 TRAIN_DEFAULT_ARGS ?=
 # `make train-verl`: the same tasks, templates and reward as verl's inputs for a GPU cluster
 # (`memstream train --backend verl`, docs/guide/training.md), written to VERL_OUT; then the files

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from connectors.engines.hardware import Hardware
 from pipeline.cli.flags import UserError, model_from_flags
 from pipeline.cli.main import build_parser
+from pipeline.training import config as training_config
 from pipeline.training.config import TrainConfig
 from pipeline.training.learner import SUMMARY_FILE, Conversation, Learner, LearnerConfig
 
@@ -123,3 +125,18 @@ def test_the_dtype_is_a_flag_and_recorded_in_the_checkpoint(
     resumed = Learner.resume(checkpoint, mixed.config)
     assert {p.dtype for p in resumed.model.parameters()} == {torch.float32}
     assert torch.equal(flat(resumed.model), flat(mixed.model))
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [(frozenset({"avx2", "avx512_bf16"}), "bfloat16"), (frozenset({"avx2"}), "float32")],
+)
+def test_auto_takes_bfloat16_only_where_the_cpu_runs_it_natively(
+    flags: frozenset[str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cpu = Hardware(cpu_model="test CPU", cores=2, cpu_flags=flags)
+    monkeypatch.setattr(training_config, "detect", lambda: cpu)
+    assert training_config.resolve_learner_dtype("auto") == expected
+    assert training_config.resolve_learner_dtype("float32") == "float32"
+    config = TrainConfig(output=Path("unused"), learner_dtype="auto")
+    assert config.learner_config("unused-model").dtype == expected

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, cast, get_args
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from connectors.engines.factory import KvCacheGib, MaxModelLen, ModelName
+from connectors.engines.hardware import auto_dtype, detect
 from operators.config import (
     ChunkSize,
     MaxAnswerTokens,
@@ -37,6 +38,15 @@ LearnerPlacement = Literal["in-process", "ray-train"]
 # copy AdamW updates), the forward and backward run under torch.autocast to bfloat16 (matmuls in
 # bfloat16, reductions and the log-softmax in float32).
 LearnerDtype = Literal["float32", "bfloat16"]
+# auto: bfloat16 where the hardware runs it natively (the engine's `auto` rule), else float32.
+LearnerDtypeChoice = Literal["auto", "float32", "bfloat16"]
+
+
+def resolve_learner_dtype(choice: LearnerDtypeChoice) -> LearnerDtype:
+    """The learner's precision for `choice`; `auto` asks the hardware, as engines do."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if auto_dtype(detect()) == "bfloat16" else "float32"
 
 
 def mix_tasks(value: str) -> tuple[TaskName, ...]:
@@ -109,11 +119,13 @@ class TrainConfig(BaseModel):
     mini_batch_conversations: int = Field(32, ge=1, description="Conversations per optimiser step.")
     epochs_per_batch: int = Field(1, ge=1, description="Passes over each rollout batch.")
     micro_batch_tokens: int = Field(4096, ge=64, description="Padded tokens per forward pass.")
-    learner_dtype: LearnerDtype = Field(
+    learner_dtype: LearnerDtypeChoice = Field(
         "float32",
         description="The learner's compute precision: float32, or bfloat16 (float32 master "
         "weights and optimiser, forward and backward under torch.autocast to bfloat16; "
-        "log-probabilities, ratios and KL in float32). The rollout engine stays float32.",
+        "log-probabilities, ratios and KL in float32), or auto: bfloat16 on hardware with "
+        "native bf16 (avx512_bf16, AMX, GPUs of compute capability 8.0+), float32 elsewhere, "
+        "where bf16 is emulated and slower. The rollout engine stays float32.",
     )
     lora: bool = Field(
         False,
@@ -233,7 +245,7 @@ class TrainConfig(BaseModel):
             lora=self.lora,
             lora_rank=self.lora_rank,
             lora_alpha=self.lora_alpha,
-            dtype=self.learner_dtype,
+            dtype=resolve_learner_dtype(self.learner_dtype),
         )
 
     def tasks(self) -> tuple[TaskName, ...]:
