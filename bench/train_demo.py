@@ -198,8 +198,9 @@ def bootstrap_interval(
 def record_heldout(run_dir: Path, scored: list[dict[str, Any]]) -> None:
     """The run's held-out figures, which `memstream models list` shows beside the run."""
     figures = {kind: mean(scores(scored, kind)) for kind in ("raw", "strict")}
-    payload = {**figures, "n": len(scored)}
-    (run_dir / models.RUN_HELDOUT_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+    line = {"step": steps_done(run_dir), **figures, "n": len(scored)}
+    with (run_dir / models.RUN_HELDOUT_LINES_FILE).open("a") as lines:
+        lines.write(json.dumps(line) + "\n")
 
 
 def write_report(output: Path, run_dir: Path, state: dict[str, Any]) -> None:

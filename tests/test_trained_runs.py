@@ -21,8 +21,11 @@ def make_run(folder: Path, *, step: int | None, heldout: dict[str, float] | None
     (weights / "config.json").write_text("{}")
     if step is not None:
         (weights / models.RUN_SUMMARY_FILE).write_text(json.dumps({"updates": step}))
-    if heldout is not None:
-        (folder / models.RUN_HELDOUT_FILE).write_text(json.dumps(heldout))
+    if heldout is not None:  # heldout.jsonl as the trainer writes it: its latest scoring last
+        lines = [{"step": 0, "raw": 0.0, "strict": 0.0, "n": 100}, {"step": step, **heldout}]
+        (folder / models.RUN_HELDOUT_LINES_FILE).write_text(
+            "".join(json.dumps(line) + "\n" for line in lines)
+        )
     return folder
 
 
@@ -46,7 +49,8 @@ def test_trained_runs_reads_step_and_heldout(tmp_path: Path) -> None:
     (tmp_path / "not-a-run").mkdir()
     runs = models.trained_runs(tmp_path)
     assert [run.path.name for run in runs] == ["a-run", "b-run"]
-    assert runs[0].step == 12 and runs[0].heldout == {"raw": 0.41, "strict": 0.1, "n": 100}
+    assert runs[0].step == 12
+    assert runs[0].heldout == {"step": 12, "raw": 0.41, "strict": 0.1, "n": 100}
     assert runs[1].step is None and runs[1].heldout is None
     assert models.trained_runs(tmp_path / "missing") == []
 
@@ -57,5 +61,5 @@ def test_models_list_shows_trained_runs(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("demo "))
     assert "step 7" in line
-    assert "held-out raw 0.500" in line and "held-out strict 0.250 (n=100)" in line
+    assert "held-out raw 0.500" in line and "held-out strict 0.250 (n=100, step 7)" in line
     assert str(run) in line

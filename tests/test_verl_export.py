@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from connectors.engines import models
 from pipeline.cli.main import build_parser, main
 from pipeline.training.config import TrainConfig
 from pipeline.training.learner import Conversation
@@ -40,6 +41,7 @@ from pipeline.training.verl_export import (
     TRAIN_FILE,
     VAL_FILE,
     VerlCluster,
+    cluster_model,
     export_verl,
     training_samples,
 )
@@ -364,3 +366,21 @@ def test_the_cli_exports_with_the_cluster_it_is_given(  # type: ignore[no-untype
     assert seen["config"].group_size == 16
     assert seen["cluster"] == VerlCluster(PurePosixPath("/mnt/run"), nodes=4, gpus_per_node=8)
     assert "--config-path=/mnt/run --config-name=memstream_verl" in capsys.readouterr().out
+
+
+def test_verl_loads_a_packaged_model_s_hub_id_and_refuses_an_adapted_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert cluster_model("qwen2.5-coder-0.5b-instruct") == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert cluster_model("Qwen/Qwen2.5-7B-Instruct") == "Qwen/Qwen2.5-7B-Instruct"
+    adapted = models.AdaptedModel(
+        name="qwen2.5-coder-0.5b-memstream",
+        base="qwen2.5-coder-0.5b-instruct",
+        adapter_dir=tmp_path,
+        adapter_sha256="0" * 64,
+        trained_by="make train-default",
+        license="Apache-2.0",
+    )
+    monkeypatch.setattr(models, "adapted_models", lambda: {adapted.name: adapted})
+    with pytest.raises(models.ModelError, match=r"--model Qwen/Qwen2\.5-Coder-0\.5B-Instruct"):
+        cluster_model(adapted.name)

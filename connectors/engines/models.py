@@ -35,11 +35,10 @@ from connectors.engines.lora import (
 )
 
 PROVENANCE_FILE = "memstream-model.json"
-# A `memstream train` run folder: its latest weights (a loadable model folder), the learner's
-# summary in it, and the held-out score a run records when it is measured.
+# A `memstream train` run folder: its latest weights (a loadable model folder) and the learner's
+# summary in it.
 RUN_WEIGHTS_DIR = "checkpoint"
 RUN_SUMMARY_FILE = "learner.json"
-RUN_HELDOUT_FILE = "heldout.json"
 
 
 @dataclass(frozen=True)
@@ -136,7 +135,8 @@ class TrainedRun:
 
     path: Path
     step: int | None  # rollout batches trained on, from the learner's summary
-    heldout: dict[str, float] | None  # e.g. {"raw": 0.41, "strict": 0.12, "n": 100}
+    # Its latest held-out scoring (a line of heldout.jsonl): {"step": 5, "strict": 0.3, ...}
+    heldout: dict[str, Any] | None
 
     @property
     def weights(self) -> Path:
@@ -148,10 +148,11 @@ def trained_run(folder: Path) -> TrainedRun | None:
     weights = folder / RUN_WEIGHTS_DIR
     if not (weights / "config.json").is_file():
         return None
+    scorings = _json_lines(folder / RUN_HELDOUT_LINES_FILE)
     return TrainedRun(
         path=folder,
         step=_json_field(weights / RUN_SUMMARY_FILE, "updates"),
-        heldout=_json_field(folder / RUN_HELDOUT_FILE, None),
+        heldout=_heldout_figures(scorings[-1] if scorings else None),
     )
 
 
@@ -186,7 +187,7 @@ ADAPTER_METADATA_FILE = "memstream-adapter.json"
 RUN_BEST_ADAPTER_DIR = "best-adapter"  # the adapter of the best held-out scoring, with step.json
 RUN_ADAPTER_DIR = "adapter"  # inside RUN_WEIGHTS_DIR: the latest step's adapter
 RUN_CONFIG_FILE = "train.json"
-RUN_HELDOUT_LINES_FILE = "heldout.jsonl"
+RUN_HELDOUT_LINES_FILE = "heldout.jsonl"  # a line a held-out scoring: {"step", "strict", ...}
 RUN_BEST_STEP_FILE = "step.json"
 _ADAPTED_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 

@@ -109,13 +109,19 @@ def describe_run(run: models.TrainedRun) -> str:
 
 
 def _heldout_scores(heldout: dict[str, Any] | None) -> list[str]:
-    """ "held-out raw 0.410", "held-out strict 0.120 (n=100)": the scores a record holds."""
+    """ "held-out raw 0.410", "held-out strict 0.120 (n=100, step 5)": the scores a record
+    holds."""
     heldout = heldout or {}
     scores = [
         f"held-out {kind} {heldout[kind]:.3f}"
         for kind in ("raw", "strict")
         if isinstance(heldout.get(kind), int | float)
     ]
-    if scores and isinstance(heldout.get("n"), int):
-        scores[-1] += f" (n={heldout['n']})"
+    details = [
+        f"{label}{heldout[key]}"
+        for key, label in (("n", "n="), ("step", "step "))
+        if isinstance(heldout.get(key), int)
+    ]
+    if scores and details:
+        scores[-1] += f" ({', '.join(details)})"
     return scores

@@ -260,7 +260,14 @@ def token_budgets(
 def cluster_model(model: str) -> str:
     """What verl loads: a packaged model's upstream hub id (its full-precision weights, not
     the GGUF the CPU engine dequantizes), else the name as given (a hub id, or a path the
-    cluster sees)."""
+    cluster sees). An adapted model (a base plus a shipped adapter) has no hub id: refused."""
+    if (adapted := models.adapted_models().get(model)) is not None:
+        raise models.ModelError(
+            f"{model!r} is {adapted.base!r} with memstream's LoRA adapter, merged when pulled; "
+            f"verl loads a hub id or a folder the cluster sees: pass --model "
+            f"{cluster_model(adapted.base)} to train from the base, or the merged folder "
+            f"(`memstream models pull {model}` writes it) copied where the cluster reads it"
+        )
     packaged = models.PACKAGED_MODELS.get(model)
     return packaged.upstream.split(" ")[0] if packaged else model
 
