@@ -20,7 +20,8 @@ between their log-probabilities (and the rollout engine's), in one process.
    batch's two shortest conversations. Tokens per second count every real token through the
    model (`StepMetrics.tokens_per_s`); the table gives the median and the range.
 
-Results: bench/results/learner_dtype.json and .md, with the CPU model and its bfloat16 flags.
+Results: bench/results/learner_dtype.json and .md, with the CPU model and its bfloat16 flags;
+learner_dtype-emulated-bf16.json and .md on a CPU without native bf16 (AVX2 only).
 """
 
 from __future__ import annotations
@@ -235,7 +236,9 @@ def write(
         "median_tokens_per_s": medians, "speedup_bf16": speedup, "seconds": seconds,
         "rollout_seconds": rolled,
     }  # fmt: skip
-    common.write_results("learner_dtype", payload, markdown)
+    # One result per kind of CPU: the choice `--learner-dtype auto` makes differs between them.
+    name = "learner_dtype" if native != "none" else "learner_dtype-emulated-bf16"
+    common.write_results(name, payload, markdown)
 
 
 def spread(values: Any) -> tuple[float, float]:
