@@ -59,6 +59,7 @@ TITLES = {
     "pipeline_overhead": "Ray Data job against the runner",
     "prefill_decode": "Prefill and decode speed",
     "prompt_lookup": "Prompt lookup",
+    "reread_recall": "Re-read: is the figure shown to the model?",
     "run": "make bench summary",
     "scaling": "Scaling with length",
     "soak": "Soak test of the endpoint",
