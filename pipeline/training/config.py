@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Literal, cast, get_args
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from connectors.engines.factory import KvCacheGib, MaxModelLen, ModelName
-from connectors.engines.hardware import auto_dtype, detect
+from connectors.engines.hardware import detect
 from operators.config import (
     ChunkSize,
     MaxAnswerTokens,
@@ -38,15 +38,16 @@ LearnerPlacement = Literal["in-process", "ray-train"]
 # copy AdamW updates), the forward and backward run under torch.autocast to bfloat16 (matmuls in
 # bfloat16, reductions and the log-softmax in float32).
 LearnerDtype = Literal["float32", "bfloat16"]
-# auto: bfloat16 where the hardware runs it natively (the engine's `auto` rule), else float32.
+# auto: bfloat16 where the CPU runs it natively (the engine's rule on a CPU), else float32.
 LearnerDtypeChoice = Literal["auto", "float32", "bfloat16"]
 
 
 def resolve_learner_dtype(choice: LearnerDtypeChoice) -> LearnerDtype:
-    """The learner's precision for `choice`; `auto` asks the hardware, as engines do."""
+    """The learner's precision for `choice`; `auto` asks the CPU the learner runs on (GPU
+    clusters train with verl), as the engine's `auto` does."""
     if choice != "auto":
         return choice
-    return "bfloat16" if auto_dtype(detect()) == "bfloat16" else "float32"
+    return "bfloat16" if detect().native_bf16 else "float32"
 
 
 def mix_tasks(value: str) -> tuple[TaskName, ...]:
@@ -123,9 +124,9 @@ class TrainConfig(BaseModel):
         "float32",
         description="The learner's compute precision: float32, or bfloat16 (float32 master "
         "weights and optimiser, forward and backward under torch.autocast to bfloat16; "
-        "log-probabilities, ratios and KL in float32), or auto: bfloat16 on hardware with "
-        "native bf16 (avx512_bf16, AMX, GPUs of compute capability 8.0+), float32 elsewhere, "
-        "where bf16 is emulated and slower. The rollout engine stays float32.",
+        "log-probabilities, ratios and KL in float32), or auto: bfloat16 on a CPU with "
+        "native bf16 (avx512_bf16, AMX), float32 on other CPUs, where bf16 is emulated and "
+        "slower. The rollout engine stays float32.",
     )
     lora: bool = Field(
         False,
