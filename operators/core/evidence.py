@@ -69,7 +69,8 @@ Page furniture is no finding: an answer that only names a reporting period ("Thr
 April 1, 2023", or a year alone, unless the question asks when, or for a period, quarter or year)
 or that is a line the document prints `RUNNING_LINE_MIN_PAGES` times or more, numbers aside (a
 running footer, "Apple Inc. | Q2 2023 Form 10-Q | 9"), is never grounded, however close to the
-question's terms.
+question's terms; nor is a date printed only in such a line ("Source: VITALIBIS, INC., 8-K,
+3/16/2018" on every page of a filed contract).
 
 In every case the evidence also shows where the final memory's most relevant sentences came
 from (matches="memory", fuzzy score at least `min_score`; the initial memory and dropped-lines
@@ -147,6 +148,9 @@ KEY_TERM_SPREAD = 2
 # An answer is a figure when it holds one amount and at most this many other content words.
 FIGURE_ANSWER_MAX_WORDS = 1
 _UNIT_WORDS = frozenset({"dollars", "usd", "percent", "per", "cent", "share", "approximately"})
+# Words that ask for a figure's kind or size ("By what percentage", "How large"): a filing does
+# not print them beside the figure, so they are no key term of the figure rule.
+_ASKING_WORDS = frozenset({"percentage", "large", "big", "approximately"})
 # A sentence grounds a figure when it holds this many of the question's terms (all, if fewer).
 FIGURE_SENTENCE_MIN_TERMS = 2
 # Words that name a reporting period: they head every column of a filing's tables.
@@ -180,7 +184,11 @@ _PERIOD_ENDS = PERIOD_WORDS - frozenset(_DURATION_WORDS.split())
 _ASKS_FOR_A_PERIOD = frozenset({"when", "period", "periods", "quarter", "quarters", "year"})
 _LETTERS = re.compile(r"[^\W\d_]+")
 # What tells a table's period columns apart: a year, or the span of months.
-_PERIOD_KEYS = re.compile(r"\b(?:19|20)\d\d\b|\b(?:three|six|nine|twelve)\b")
+_PERIOD_KEYS = re.compile(r"\b(?:19|20)\d\d\b|\b(?:three|six|nine|twelve|q[1-4]|ytd|quarter)\b")
+# What a period's words mean: a filing heads a quarter's column "Three Months Ended Jul 1, 2023"
+# or "Q2 2023", and the year so far "Six Months Ended ..." or "YTD 2023".
+_PERIOD_SPANS = {"three": "quarter", "q1": "quarter", "q2": "quarter", "q3": "quarter"}
+_PERIOD_SPANS |= {"q4": "quarter", "six": "ytd", "nine": "ytd"}
 _SCALE_READINGS = (1.0, 1e3, 1e6, 1e9)  # a printed figure's scale is in a heading far away
 # A question that asks for money, or for money or a share: a bare number answering it is an
 # amount too, and a percentage printed is no amount of money.
@@ -370,6 +378,16 @@ def _not_a_finding(answer: str, question: str, corpus: _Corpus) -> str | None:
     if shape.count(" ") and corpus.line_shapes[shape] >= RUNNING_LINE_MIN_PAGES:
         return "The answer is a line printed on page after page (a running header or footer)."
     return None
+
+
+def _in_running_line(corpus: _Corpus, position: int) -> bool:
+    """Whether the line holding `position` is printed on page after page (a running header or
+    footer: "Source: VITALIBIS, INC., 8-K, 3/16/2018")."""
+    text = corpus.text
+    start = max(text.rfind("\n", 0, position), text.rfind("\x00", 0, position)) + 1
+    ends = [end for end in (text.find("\n", position), text.find("\x00", position)) if end >= 0]
+    shape = _line_shape(text[start : min(ends, default=len(text))])
+    return shape.count(" ") > 0 and corpus.line_shapes[shape] >= RUNNING_LINE_MIN_PAGES
 
 
 def _line_shape(text: str) -> str:
@@ -665,11 +683,22 @@ def _ground_date(
     if len(stated) > 1:
         return None
     (date,) = stated
+    sites = [(start, end) for start, end, d in date_sites(corpus.text) if d == date]
+    if not sites:
+        return [], False, f"The answer's date ({date.isoformat()}) is not printed in the document."
     spellings = dict.fromkeys(
-        corpus.text[start:end] for start, end, d in date_sites(corpus.text) if d == date
+        corpus.text[start:end] for start, end in sites if not _in_running_line(corpus, start)
     )
     if not spellings:
-        return [], False, f"The answer's date ({date.isoformat()}) is not printed in the document."
+        return (
+            [],
+            False,
+            (
+                f"The answer's date ({date.isoformat()}) is printed only in a line printed on "
+                "page after page (a running header or footer), which dates the copy, not what "
+                "the question asks."
+            ),
+        )
     refusal = None
     for spelling in spellings:
         matches, grounded, reason = _ground(
@@ -741,11 +770,11 @@ def _figure_sites(
     the question's key terms (best first: most terms, then earliest), each with the terms found
     and whether the record is a table row."""
     owners = frozenset(_lower(owner) for owner in _POSSESSOR.findall(question))
-    dropped = PERIOD_WORDS | KIND_WORDS | owners
+    dropped = PERIOD_WORDS | KIND_WORDS | _ASKING_WORDS | owners
     terms = [t for t in _question_terms(question, dropped) if not t.isdigit()]
     counts = {t: n for t in terms if (n := len(_term_positions(corpus, t)))}
     keys = {t for t in counts if counts[t] <= KEY_TERM_SPREAD * min(counts.values())}
-    asked = set(_PERIOD_KEYS.findall(question.lower()))
+    asked = _period_keys(question.lower())
     money = bool(_ASKS_FOR_MONEY.search(question)) and not stated.percent
     printed = [
         f for f in find_figures(corpus.text) if _states(stated, f) and not (money and f.percent)
@@ -794,10 +823,15 @@ def _headed_parts(row: str, at: int) -> tuple[str, str, str]:
 
 def _other_period(cell: str, cells: str, asked: set[str]) -> bool:
     """Whether a cell sits under another period than the question asks for: a year or a span
-    ("three", "six") that the question names and that tells the row's columns apart is missing
-    from the cell's header."""
-    told_apart = asked & set(_PERIOD_KEYS.findall(cells))
-    return bool(told_apart - set(_PERIOD_KEYS.findall(cell)))
+    ("three months" or "Q2", "six months" or "YTD") that the question names and that tells the
+    row's columns apart is missing from the cell's header."""
+    told_apart = asked & _period_keys(cells)
+    return bool(told_apart - _period_keys(cell))
+
+
+def _period_keys(text: str) -> set[str]:
+    """The years and spans (a quarter, the year to date, twelve months) that `text` names."""
+    return {_PERIOD_SPANS.get(key, key) for key in _PERIOD_KEYS.findall(text)}
 
 
 def _is_bare(answer: str) -> bool:

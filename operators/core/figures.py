@@ -166,7 +166,8 @@ ROW_MAX_CHARS = 240
 # 2022 $ 19,739; Three Months Ended ... $ 22,140"; operators.parsing.pdf_headers) is longer.
 HEADED_ROW_MAX_CHARS = 1200
 _HEADED_ROW = re.compile(r"[^:;\n]{1,200}: [^;\n]+(?:; [^;\n]+)+")
-_SENTENCE_END = re.compile(r"(?<=[.?!])\s")
+# A sentence ends inside the line, or ends it: "... to $28.5 billion.", "... 14%." (not "n.m.").
+_SENTENCE_END = re.compile(r"(?<=[.?!])\s|(?<=[^.\s]{2}[.?!])$")
 _LOWER_START = re.compile(r"\s*[a-z]")
 
 
