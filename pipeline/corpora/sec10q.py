@@ -8,8 +8,10 @@ is a figure of the tuning part (tests/test_sec10q_questions.py checks it by valu
 
 from __future__ import annotations
 
-import functools
 import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,13 +55,35 @@ def load_questions(path: Path = QUESTIONS_FILE) -> list[FigureQuestion]:
 def load_filings(root: Path, names: set[str]) -> dict[str, str]:
     """The parsed text of each named filing, parsed as `memstream ask` parses a PDF."""
     folder = check_root(root) / FILINGS_FOLDER
-    return {name: parse_filing(folder / name).text for name in sorted(names)}
+    parsed = parse_filings([folder / name for name in sorted(names)])
+    return {path.name: text.text for path, text in parsed.items()}
 
 
-@functools.lru_cache(maxsize=32)
+# Eval's tasks and the training tasks read the same 15 filings, each slow to parse: once a
+# process, by path.
+_PARSED: dict[Path, ParsedText] = {}
+
+
+def parse_filings(paths: list[Path]) -> dict[Path, ParsedText]:
+    """The filings parsed, those not parsed yet in this process side by side, one process a
+    core (pdfminer holds the GIL: threads would not overlap)."""
+    missing = [path for path in dict.fromkeys(paths) if path not in _PARSED]
+    workers = min(len(missing), len(os.sched_getaffinity(0)))
+    if workers > 1:
+        spawn = multiprocessing.get_context("spawn")  # no fork of a process holding threads
+        with ProcessPoolExecutor(workers, mp_context=spawn) as pool:
+            _PARSED.update(zip(missing, pool.map(_parse, missing), strict=True))
+    return {path: parse_filing(path) for path in paths}
+
+
 def parse_filing(path: Path) -> ParsedText:
-    """A filing parsed once a process: eval's tasks and the training tasks read the same 15
-    filings, each slow to parse."""
+    """A filing parsed once a process."""
+    if path not in _PARSED:
+        _PARSED[path] = _parse(path)
+    return _PARSED[path]
+
+
+def _parse(path: Path) -> ParsedText:
     try:
         return parse_document(path.read_bytes(), path.name)
     except ParseError as error:
