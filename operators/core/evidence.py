@@ -187,8 +187,10 @@ _LETTERS = re.compile(r"[^\W\d_]+")
 _PERIOD_KEYS = re.compile(r"\b(?:19|20)\d\d\b|\b(?:three|six|nine|twelve|q[1-4]|ytd|quarter)\b")
 # What a period's words mean: a filing heads a quarter's column "Three Months Ended Jul 1, 2023"
 # or "Q2 2023", and the year so far "Six Months Ended ..." or "YTD 2023".
-_PERIOD_SPANS = {"three": "quarter", "q1": "quarter", "q2": "quarter", "q3": "quarter"}
-_PERIOD_SPANS |= {"q4": "quarter", "six": "ytd", "nine": "ytd"}
+_PERIOD_SPANS = {
+    **dict.fromkeys(("three", "q1", "q2", "q3", "q4"), "quarter"),
+    **dict.fromkeys(("six", "nine"), "ytd"),
+}
 _SCALE_READINGS = (1.0, 1e3, 1e6, 1e9)  # a printed figure's scale is in a heading far away
 # A question that asks for money, or for money or a share: a bare number answering it is an
 # amount too, and a percentage printed is no amount of money.
