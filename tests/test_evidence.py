@@ -789,28 +789,32 @@ def test_a_line_that_ends_a_sentence_is_prose_not_a_table_row():
 
 
 @pytest.mark.parametrize(
-    ("question", "answer", "sentence"),
+    ("question", "answer", "sentence", "elsewhere"),
     [
         (
             "By what percentage did Intel's DCAI revenue decrease in Q3 2022 compared to Q3 2021?",
             "27%",
             "Total revenue was down 20%, as CCG revenue decreased 17%, DCAI revenue decreased "
             "27%, and NEX revenue increased 14%.",
+            "DCAI revenue is compared with the prior year below.\n" * 2
+            + "In percentage terms the mix held.\n",
         ),
         (
             "How large were Apple's manufacturing purchase obligations as of April 1, 2023?",
             "$40.5 billion",
             "As of April 1, 2023, the Company had manufacturing purchase obligations of $40.5 "
             "billion, with $40.1 billion payable within 12 months.",
+            "Manufacturing purchase obligations are described in Note 10.\n" * 2
+            + "A large share is payable within a year.\n",
         ),
     ],
 )
 def test_words_that_ask_for_a_figures_kind_or_size_are_no_key_terms(
-    question: str, answer: str, sentence: str
+    question: str, answer: str, sentence: str, elsewhere: str
 ):
-    """ "percentage" and "large" are rare in a filing, so they would be the only key term, and a
-    filing never prints them beside the figure they ask for."""
-    segments = make_segments(FILING + "\n" + sentence + "\n", 4000)
+    """ "percentage" and "large" are printed in a filing, but rarely: they would be the only key
+    term, and a filing never prints them beside the figure they ask for."""
+    segments = make_segments(FILING + elsewhere + "\n" + sentence + "\n", 4000)
     grounding = find_evidence(question, answer, "", segments)
     assert grounding.grounded, grounding.reason
 

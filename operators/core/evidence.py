@@ -376,20 +376,21 @@ def _not_a_finding(answer: str, question: str, corpus: _Corpus) -> str | None:
         and not _ASKS_FOR_A_PERIOD & set(_words(question))
     ):
         return "The answer only names a reporting period, not what the question asks about."
-    shape = _line_shape(answer)
-    if shape.count(" ") and corpus.line_shapes[shape] >= RUNNING_LINE_MIN_PAGES:
+    if _is_running_line(answer, corpus):
         return "The answer is a line printed on page after page (a running header or footer)."
     return None
 
 
+def _is_running_line(line: str, corpus: _Corpus) -> bool:
+    """Whether `line` is printed on page after page, numbers aside: a running header or footer
+    ("Apple Inc. | Q2 2023 Form 10-Q | 9", "Source: VITALIBIS, INC., 8-K, 3/16/2018")."""
+    shape = _line_shape(line)
+    return " " in shape and corpus.line_shapes[shape] >= RUNNING_LINE_MIN_PAGES
+
+
 def _in_running_line(corpus: _Corpus, position: int) -> bool:
-    """Whether the line holding `position` is printed on page after page (a running header or
-    footer: "Source: VITALIBIS, INC., 8-K, 3/16/2018")."""
-    text = corpus.text
-    start = max(text.rfind("\n", 0, position), text.rfind("\x00", 0, position)) + 1
-    ends = [end for end in (text.find("\n", position), text.find("\x00", position)) if end >= 0]
-    shape = _line_shape(text[start : min(ends, default=len(text))])
-    return shape.count(" ") > 0 and corpus.line_shapes[shape] >= RUNNING_LINE_MIN_PAGES
+    start, end = _line_bounds(corpus, position)
+    return _is_running_line(corpus.text[start:end], corpus)
 
 
 def _line_shape(text: str) -> str:
@@ -862,9 +863,7 @@ def _record(corpus: _Corpus, position: int) -> tuple[int, int, bool]:
     its segment: its bounds in the corpus text and whether it is a row."""
     _, lo, hi = corpus.locate(position)
     text = corpus.text
-    line_start = max(lo, text.rfind("\n", lo, position) + 1)
-    line_end = text.find("\n", position, hi)
-    line_end = hi if line_end < 0 else line_end
+    line_start, line_end = _line_bounds(corpus, position)
     # The corpus text is lower-cased, so the next line cannot tell wrapped prose from a row.
     if is_table_row(text[line_start:line_end]):
         return line_start, line_end, True
@@ -873,6 +872,14 @@ def _record(corpus: _Corpus, position: int) -> tuple[int, int, bool]:
     start = starts[-1] if starts else floor
     stop = _RECORD_END.search(text, position, ceiling)
     return start, stop.start() if stop else ceiling, False
+
+
+def _line_bounds(corpus: _Corpus, position: int) -> tuple[int, int]:
+    """The bounds of the line holding `position`, within its segment."""
+    _, lo, hi = corpus.locate(position)
+    start = max(lo, corpus.text.rfind("\n", lo, position) + 1)
+    end = corpus.text.find("\n", position, hi)
+    return start, hi if end < 0 else end
 
 
 def _memory_matches(
