@@ -42,6 +42,7 @@ import torch
 
 from connectors.engines import models
 from connectors.engines.factory import open_engine
+from connectors.engines.hardware import detect
 from pipeline.cli.env import collect
 from pipeline.training.config import LearnerDtype, TrainConfig
 from pipeline.training.learner import Conversation, Learner
@@ -237,7 +238,7 @@ def write(
         "rollout_seconds": rolled,
     }  # fmt: skip
     # One result per kind of CPU: the choice `--learner-dtype auto` makes differs between them.
-    name = "learner_dtype" if native != "none" else "learner_dtype-emulated-bf16"
+    name = "learner_dtype" if detect().native_bf16 else "learner_dtype-emulated-bf16"
     common.write_results(name, payload, markdown)
 
 
