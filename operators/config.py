@@ -35,13 +35,15 @@ STRICT_KEYS = ConfigDict(extra="forbid")  # unknown keys are errors, at every le
 # Tokens a chat template adds around a rendered prompt (role markers), with a margin.
 CHAT_OVERHEAD_TOKENS = 32
 
-# The template set a model gets when none is named. For the small models that were not RL-trained,
-# the best measured by `memstream eval` (docs/accuracy.md); for every other model the reference,
-# which is what the RL-MemAgent weights were trained on.
-MEASURED_DEFAULT_TEMPLATES: dict[str, str] = {
-    "qwen2.5-coder-0.5b-instruct": VERIFIED_QUOTES.name,
-    "qwen2.5-coder-1.5b-instruct": SEGMENT_FIRST.name,
-    "smollm2-135m-instruct": SEGMENT_FIRST.name,
+# The method a model gets when no template is named. For the small models that were not
+# RL-trained, the best measured by `memstream eval` (docs/accuracy.md): the template set and, where
+# it won, a re-read of the document at answer time; for every other model the reference as
+# published, which is what the RL-MemAgent weights were trained on. Naming a template names the
+# method: its other settings are then the given ones (no re-read unless asked).
+MEASURED_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2.5-coder-0.5b-instruct": {"template": VERIFIED_QUOTES.name, "reread_tokens": 6000},
+    "qwen2.5-coder-1.5b-instruct": {"template": SEGMENT_FIRST.name},
+    "smollm2-135m-instruct": {"template": SEGMENT_FIRST.name},
 }
 
 
@@ -85,7 +87,7 @@ RereadTokens = Annotated[
         description="tokens of the document re-read at answer time: the passages that the "
         "question and the final memory point to; 0: answer from the memory alone, as published",
     ),
-    Flag(metavar="N"),
+    Flag(metavar="N", default_text="the model's best measured where no template is named, else 0"),
 ]
 
 
@@ -205,19 +207,25 @@ class DocumentLimits:
                 raise ValueError(f"{name} must be at least 1")
 
 
+def measured_defaults(model: str) -> dict[str, Any]:
+    """The method settings `model` runs when no template is named (`MEASURED_DEFAULTS`)."""
+    return {"template": REFERENCE.name, **MEASURED_DEFAULTS.get(model, {})}
+
+
 def default_template(model: str) -> str:
-    return MEASURED_DEFAULT_TEMPLATES.get(model, REFERENCE.name)
+    return str(measured_defaults(model)["template"])
 
 
-def with_default_template(config: Mapping[str, Any]) -> dict[str, Any]:
+def with_measured_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     """A job or serving configuration (plain data, with optional `engine` and `method` sections)
-    whose method names a template: the one given, else the engine model's default."""
+    whose method names a template: the one given, else the engine model's measured defaults,
+    under the settings that were given."""
     method = config.get("method") or {}
     if not isinstance(method, Mapping) or "template" in method:
         return dict(config)
     engine = config.get("engine") or {}
     model = engine.get("model", DEFAULT_MODEL) if isinstance(engine, Mapping) else DEFAULT_MODEL
-    return {**config, "method": {**method, "template": default_template(model)}}
+    return {**config, "method": {**measured_defaults(model), **method}}
 
 
 class ConfigError(ValueError):

@@ -26,7 +26,7 @@ from operators.config import (
     DocumentLimits,
     MethodConfig,
     parse_config,
-    with_default_template,
+    with_measured_defaults,
 )
 
 MIB = 1 << 20
@@ -293,7 +293,7 @@ SECTION_DEFAULTS = {
 
 def config_from_mapping(data: Any, where: str = "config") -> ServingConfig:
     if isinstance(data, Mapping):
-        data = with_default_template(data)
+        data = with_measured_defaults(data)
         for section, default in SECTION_DEFAULTS.items():
             given = data.get(section)
             if isinstance(given, Mapping):

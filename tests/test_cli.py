@@ -621,3 +621,36 @@ def test_progress_lines_in_a_log_come_at_most_every_interval_but_the_last_always
     report = progress_lines(Console(file=out, width=200), every_s=3600)
     report(RunProgress(3, 8, 0, 1, members_done=1, members_planned=3))
     assert out.getvalue().startswith("model calls 3/8, chains answered 0/1, documents read 1/3, ")
+
+
+def test_the_default_model_runs_its_measured_method_unless_a_template_is_named(
+    tmp_path: Path,
+) -> None:
+    """The default model re-reads 6,000 tokens at answer time (docs/accuracy.md: why), in `ask`,
+    a job and the server alike; a named template is the method as named, a given budget wins,
+    and other models answer from the memory alone."""
+    from pipeline.cli.flags import method_config
+    from pipeline.cli.main import build_parser
+    from pipeline.cli.run import spec_from_arguments
+    from serving.config import config_from_mapping
+
+    parser = build_parser()
+
+    def asked(*flags: str) -> tuple[str, int]:
+        method = method_config(parser.parse_args(["ask", "a.txt", "-q", "Q?", *flags]))
+        return method.template, method.reread_tokens
+
+    assert asked() == ("verified-quotes", 6000)
+    assert asked("--reread-tokens", "0") == ("verified-quotes", 0)
+    assert asked("--reread-tokens", "3000") == ("verified-quotes", 3000)
+    assert asked("--template", "memagent-reference") == ("memagent-reference", 0)
+    assert asked("--template", "verified-quotes") == ("verified-quotes", 0)
+    assert asked("--model", "smollm2-135m-instruct") == ("segment-first", 0)
+    assert asked("--model", "org/any-other-model") == ("memagent-reference", 0)
+
+    job = spec_from_arguments(parser.parse_args(["run", "--input", "d", "--output", "o"]))
+    assert (job.method.template, job.method.reread_tokens) == ("verified-quotes", 6000)
+    served = config_from_mapping({}).method
+    assert (served.template, served.reread_tokens) == ("verified-quotes", 6000)
+    named = config_from_mapping({"method": {"template": "segment-first"}}).method
+    assert (named.template, named.reread_tokens) == ("segment-first", 0)

@@ -32,7 +32,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from connectors.engines.factory import EngineSpec
-from operators.config import MethodConfig, parse_config, with_default_template
+from operators.config import MethodConfig, parse_config, with_measured_defaults
 from operators.core.settings import Flag
 
 EXIT_PARTIAL_FAILURE = 1  # some inputs or questions failed; the rest has results
@@ -341,7 +341,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
 
 
 def method_config(args: argparse.Namespace) -> MethodConfig:
-    """The method the flags describe, over `MethodConfig`'s defaults; the template, unless
-    given, is the model's default (`operators.config.default_template`)."""
-    given = with_default_template(setting_overrides(args, [*ENGINE_FLAGS, *METHOD_FLAGS]))
+    """The method the flags describe, over `MethodConfig`'s defaults; unless a template is
+    given, the model's measured defaults (`operators.config.MEASURED_DEFAULTS`) under the flags."""
+    given = with_measured_defaults(setting_overrides(args, [*ENGINE_FLAGS, *METHOD_FLAGS]))
     return parse_config(MethodConfig, given["method"], "command line")

@@ -19,7 +19,7 @@ from operators.config import (
     DocumentLimits,
     MethodConfig,
     parse_config,
-    with_default_template,
+    with_measured_defaults,
 )
 from operators.core.collection import check_order_by
 from operators.core.settings import Flag
@@ -227,7 +227,7 @@ class JobSpec:
         """Validates a plain mapping (as YAML gives it); errors name the key and what is wrong."""
         if not isinstance(data, Mapping):
             raise JobError(f"{where}: a job must be a mapping of keys, got {type(data).__name__}")
-        raw = with_default_template(data)
+        raw = with_measured_defaults(data)
         if isinstance(raw.get("output"), str):
             raw["output"] = {"uri": raw["output"]}
         for key in ("sources", "questions"):
