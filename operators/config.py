@@ -19,6 +19,7 @@ from operators.core.chain import (
 from operators.core.segmentation import REFERENCE_CHUNK_SIZE, SegmentationConfig
 from operators.core.settings import Flag
 from operators.core.templates import (
+    EARLIER_REREAD_DIGESTS,
     REFERENCE,
     REREAD_DIGEST,
     SEGMENT_FIRST,
@@ -128,16 +129,28 @@ class MethodConfig:
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
-    def identity(self) -> dict[str, object]:
+    def identity(self, reread_digest: str | None = None) -> dict[str, object]:
         """What of the method changes an answer, for a run's and a chain's key: the settings and
-        the template set's wording; the re-read budget and its prompt's wording only when it
-        re-reads, so the keys of chains that answer from memory alone stay what they were."""
+        the template set's wording; the re-read budget and its prompt's wording (`reread_digest`,
+        by default this version's) only when it re-reads, so the keys of chains that answer from
+        memory alone stay what they were."""
         settings = self.as_dict()
         if not self.reread_tokens:
             del settings["reread_tokens"]
         else:
-            settings["reread_digest"] = REREAD_DIGEST
+            settings["reread_digest"] = reread_digest or REREAD_DIGEST
         return {**settings, "template_digest": get_template_set(self.template).digest}
+
+    def memory_identities(self) -> list[dict[str, object]]:
+        """The identities of chains whose memory steps are this method's, answered another way:
+        from the memory alone, or re-read under an earlier wording. A re-reading chain that has
+        run no step starts its answer step from the final memory of the first of them that read
+        every segment, so a re-read costs one call, not the whole chain again. None for a
+        method that does not re-read."""
+        if not self.reread_tokens:
+            return []
+        alone = dataclasses.replace(self, reread_tokens=0).identity()
+        return [alone, *(self.identity(digest) for digest in EARLIER_REREAD_DIGESTS)]
 
     @classmethod
     def from_identity(cls, identity: dict[str, Any]) -> MethodConfig:

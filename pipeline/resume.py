@@ -36,13 +36,27 @@ StoreCall = Callable[..., Awaitable[Any]]
 def chain_key(content_sha256: str, question: str, engine: EngineSpec, method: MethodConfig) -> str:
     """A chain's key: everything that changes its steps, so a checkpoint is continued only by
     the same question of the same text, read the same way by the same model."""
+    return _key(content_sha256, question, engine, method.identity())
+
+
+def memory_keys(
+    content_sha256: str, question: str, engine: EngineSpec, method: MethodConfig
+) -> tuple[str, ...]:
+    """The keys of the chains whose final memory a re-reading chain may start its answer step
+    from (`MethodConfig.memory_identities`, `ChainWork.memory_from`)."""
+    return tuple(
+        _key(content_sha256, question, engine, identity) for identity in method.memory_identities()
+    )
+
+
+def _key(content_sha256: str, question: str, engine: EngineSpec, method: dict[str, object]) -> str:
     identity = {
         "content_sha256": content_sha256,
         "question": question,
         "model": engine.model,
         "tokenizer": engine.tokenizer or engine.model,
         **engine.answer_settings(),
-        "method": method.identity(),
+        "method": method,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
@@ -67,10 +81,10 @@ class ChainWork:
     question: str
     segments: Sequence[Segment] | None
     page_starts: Sequence[int] | None = None
-    # The key of the same chain answered from its memory alone (no re-read): when this chain has
-    # run no step and that one read every segment, this one starts at its answer step from that
+    # The keys of the same chain answered another way (`memory_keys`): when this chain has run
+    # no step and one of them read every segment, this one starts at its answer step from that
     # final memory, so a re-read costs one call, not the whole chain again.
-    memory_from: str | None = None
+    memory_from: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,10 +119,11 @@ async def resume_chain(
             return ChainOutcome(ChainStatus.SKIPPED, checkpoint.step)
         if work.segments is None:
             raise RuntimeError("the document was planned as answered; run the job again")
-        if (checkpoint is None or checkpoint.step == 0) and work.memory_from is not None:
-            read = await call(checkpoints.load_checkpoint, work.memory_from)
+        for source in work.memory_from if checkpoint is None or checkpoint.step == 0 else ():
+            read = await call(checkpoints.load_checkpoint, source)
             if read is not None and read.step >= len(work.segments):
                 checkpoint = Checkpoint(read.status, len(work.segments), read.memory)
+                break
         start_step = min(checkpoint.step if checkpoint else 0, len(work.segments))
         chain = MemoryChain(
             work.chain_key,

@@ -4,14 +4,23 @@ Also the passages' retrieval itself and the `rag-bm25` and `+reread<N>` evaluati
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from connectors.engines.factory import EngineSpec
 from operators.config import ConfigError, MethodConfig, check_context_fit
 from operators.core.chain import ChainConfig, MemoryChain, StepKind, StepRecord
-from operators.core.retrieval import render_passages, select_passages, split_passages
+from operators.core.figures import cells_as_lines
+from operators.core.retrieval import as_printed, render_passages, select_passages, split_passages
 from operators.core.segmentation import Segment
-from operators.core.templates import REFERENCE, REFERENCE_FINAL, defang
+from operators.core.templates import (
+    EARLIER_REREAD_DIGESTS,
+    REFERENCE,
+    REFERENCE_FINAL,
+    REREAD_DIGEST,
+    defang,
+)
 from pipeline.evaluation.execution import EvalMethod
 from pipeline.resume import chain_key
 
@@ -41,6 +50,38 @@ def test_passages_cover_each_segment_in_order_with_exact_offsets() -> None:
         assert document[passage.char_start : passage.char_end] == passage.text
         assert len(passage.text.split()) <= 50 and passage.n_tokens >= 1
     assert sum(len(p.text.split()) for p in passages) == len(document.split())
+
+
+HEADED = (
+    "AWS, Operating income: Three Months Ended June 30, 2022 $ 5,715; Three Months Ended June "
+    "30, 2023 $ 5,365; Six Months Ended June 30, 2023 $ 10,488"
+)
+
+
+def test_a_row_written_with_its_headers_is_shown_one_cell_a_line() -> None:
+    assert cells_as_lines(f"Segment results\n{HEADED}\nMargin: 2022 41.2%; 2023 (1,234)") == (
+        "Segment results\n"
+        "AWS, Operating income, Three Months Ended June 30, 2022: $ 5,715\n"
+        "AWS, Operating income, Three Months Ended June 30, 2023: $ 5,365\n"
+        "AWS, Operating income, Six Months Ended June 30, 2023: $ 10,488\n"
+        "Margin, 2022: 41.2%\n"
+        "Margin, 2023: (1,234)"
+    )
+    prose = "Terms: net 30 days; late fees apply\nNotice: see 12.1"
+    assert cells_as_lines(prose) == prose
+
+
+def test_a_passage_costs_what_the_answer_prompt_shows() -> None:
+    texts = (FILLER, HEADED + "\n" + FILLER)
+    shown = split_passages(segments_of(*texts), words=50)
+    printed = split_passages(segments_of(*texts), words=50, show=as_printed)
+    assert [p.text for p in shown] == [p.text for p in printed]
+    row = next(i for i, p in enumerate(shown) if "5,365" in p.text)
+    assert "June 30, 2023: $ 5,365" in shown[row].shown in render_passages(shown)
+    assert shown[row].n_tokens > printed[row].n_tokens
+    assert all(
+        a.n_tokens == b.n_tokens for a, b in zip(shown, printed, strict=True) if a.shown == a.text
+    )
 
 
 def test_selection_ranks_by_the_query_and_keeps_the_budget_and_document_order() -> None:
@@ -123,6 +164,14 @@ def test_chain_keys_without_re_read_are_unchanged_and_a_budget_makes_new_ones() 
         assert MethodConfig.from_identity(rereading.identity()) == rereading
 
 
+def test_a_new_re_read_wording_keeps_the_earlier_one_s_digest() -> None:
+    """Reworded or re-ranked: put the old digest in EARLIER_REREAD_DIGESTS, so the chains
+    re-read under it lend their final memories, then pin the new one here."""
+    assert REREAD_DIGEST == "5fe50b94e90f"
+    assert REREAD_DIGEST not in EARLIER_REREAD_DIGESTS
+    assert "5ecc825612da" in EARLIER_REREAD_DIGESTS  # re-read's first wording
+
+
 def test_the_answer_step_must_fit_the_window(tokenizer) -> None:  # type: ignore[no-untyped-def]
     fits = MethodConfig(chunk_size=1000, max_memory_tokens=256, max_answer_tokens=64)
     check_context_fit(
@@ -146,9 +195,11 @@ def test_evaluation_method_names() -> None:
         EvalMethod.parse("bm25")
 
 
-def test_a_re_reading_method_starts_from_the_plain_chains_final_memory() -> None:
-    """Re-read changes only the answer step: after the plain method, a `+reread` one makes one
-    call per sample; with no plain chain to start from it runs every step."""
+def run_methods(
+    methods: list[str], before_each: Callable[[str], None] = lambda _: None
+) -> list[tuple[int, bool, str | None]]:
+    """Each evaluation method in turn over one planted fact, in one checkpoint store: per method,
+    its model calls, whether it started from another chain's memory, and its answer."""
     import asyncio
     import contextlib
 
@@ -162,10 +213,11 @@ def test_a_re_reading_method_starts_from_the_plain_chains_final_memory() -> None
     sample = EvalSample("niah", "s1", "1k", 1024, document, 601, "Which fact?", ("fact-amber",))
     settings = EvalSettings(context_window=4096, chunk_size=200, max_memory_tokens=50)
 
-    async def run(methods: list[str]) -> list[tuple[int, bool, str | None]]:
+    async def run() -> list[tuple[int, bool, str | None]]:
         with contextlib.closing(EvalCheckpoints.temporary()) as checkpoints:
             outcome = []
             for name in methods:
+                before_each(name)
                 method = EvalMethod.parse(name)
                 (prediction,) = await run_configuration(
                     FactEngine(), WordTokenizer(), [sample], method, settings, None, checkpoints
@@ -174,9 +226,34 @@ def test_a_re_reading_method_starts_from_the_plain_chains_final_memory() -> None
                 outcome.append((prediction.n_calls, reused, prediction.prediction))
             return outcome
 
-    plain, rereading = "memstream:memagent-reference", "memstream:memagent-reference+reread300"
-    assert asyncio.run(run([plain, rereading])) == [
+    return asyncio.run(run())
+
+
+PLAIN, REREADING = "memstream:memagent-reference", "memstream:memagent-reference+reread300"
+
+
+def test_a_re_reading_method_starts_from_the_plain_chains_final_memory() -> None:
+    """Re-read changes only the answer step: after the plain method, a `+reread` one makes one
+    call per sample; with no plain chain to start from it runs every step."""
+    assert run_methods([PLAIN, REREADING]) == [(5, False, "fact-amber"), (1, True, "fact-amber")]
+    assert run_methods([REREADING]) == [(5, False, "fact-amber")]
+
+
+def test_a_re_read_worded_anew_starts_from_the_earlier_wordings_final_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new wording or ranking of the re-read is a new chain key, and runs the answer steps
+    again, not the chains: the chain re-read under the earlier wording lends its memory."""
+    import operators.config
+
+    wordings = iter([("earlier", ()), ("now", ("earlier",))])
+
+    def reword(_: str) -> None:
+        digest, earlier = next(wordings)
+        monkeypatch.setattr(operators.config, "REREAD_DIGEST", digest)
+        monkeypatch.setattr(operators.config, "EARLIER_REREAD_DIGESTS", earlier)
+
+    assert run_methods([REREADING, REREADING], reword) == [
         (5, False, "fact-amber"),
         (1, True, "fact-amber"),
     ]
-    assert asyncio.run(run([rereading])) == [(5, False, "fact-amber")]

@@ -183,3 +183,27 @@ def is_table_row(line: str, next_line: str = "") -> bool:
         and not _LOWER_START.match(next_line)
         and len(find_figures(line)) >= 2
     )
+
+
+_HEADED_CELL = re.compile(r"(?:(.*?) )?((?:\$ )?(?:\(?-?\d[\d,]*(?:\.\d+)?\)?|[\u2014\u2013-]+)%?)")
+
+
+def cells_as_lines(text: str) -> str:
+    """`text` with each table row written with its column headers ("AWS, Operating income: Three
+    Months Ended June 30, 2022 $ 5,715; Three Months Ended June 30, 2023 $ 5,365") split into one
+    line a cell, each after the row's label ("AWS, Operating income, Three Months Ended June 30,
+    2023: $ 5,365"): a small model picks a cell by the words beside it, not by its place in a
+    row. Other lines are kept as they are."""
+    lines = []
+    for line in text.split("\n"):
+        label, _, cells = line.partition(": ")
+        parsed = [_HEADED_CELL.fullmatch(cell) for cell in cells.split("; ")]
+        if not _HEADED_ROW.fullmatch(line) or not all(parsed):
+            lines.append(line)
+            continue
+        lines.extend(
+            f"{label}, {cell[1]}: {cell[2]}" if cell[1] else f"{label}: {cell[2]}"
+            for cell in parsed
+            if cell
+        )
+    return "\n".join(lines)

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from operators.core.figures import cells_as_lines
 from operators.core.segmentation import Segment
 
 PASSAGE_WORDS = 300
 # How much a chain's memory counts beside its question when passages are ranked for a re-read.
 HINT_WEIGHT = 0.3
-# Names the ranking rule inside the re-read's digest: a change to it re-runs answer steps.
-PASSAGE_RANKING = f"bm25 {PASSAGE_WORDS} words, question + {HINT_WEIGHT} x memory"
+# Names the ranking rule and how a passage is shown inside the re-read's digest: a change to
+# either re-runs answer steps (and `templates.EARLIER_REREAD_DIGESTS` gets the old digest).
+PASSAGE_RANKING = (
+    f"bm25 {PASSAGE_WORDS} words, question + {HINT_WEIGHT} x memory; table cells one a line"
+)
 _WORD = re.compile(r"\S+")
 
 
@@ -32,12 +36,22 @@ class Passage:
     char_start: int  # offsets in the document's text
     char_end: int
     text: str
-    n_tokens: int  # estimated from its segment's tokens per character
+    shown: str  # the text as the answer prompt shows it
+    n_tokens: int  # of `shown`, estimated from its segment's tokens per character
     document: str | None = None  # its document's label, in a collection
 
 
-def split_passages(segments: Sequence[Segment], words: int = PASSAGE_WORDS) -> list[Passage]:
-    """Each segment cut into runs of `words` words, in document order."""
+def as_printed(text: str) -> str:
+    return text
+
+
+def split_passages(
+    segments: Sequence[Segment],
+    words: int = PASSAGE_WORDS,
+    show: Callable[[str], str] = cells_as_lines,
+) -> list[Passage]:
+    """Each segment cut into runs of `words` words, in document order, each shown to the model
+    as `show` writes it (by default a table row's cells one a line) and costing what it shows."""
     if words < 1:
         raise ValueError(f"words must be at least 1, got {words}")
     passages: list[Passage] = []
@@ -46,13 +60,15 @@ def split_passages(segments: Sequence[Segment], words: int = PASSAGE_WORDS) -> l
         density = segment.n_tokens / max(len(segment.text), 1)
         for first in range(0, len(spans), words):
             start, end = spans[first][0], spans[min(first + words, len(spans)) - 1][1]
+            shown = show(segment.text[start:end])
             passages.append(
                 Passage(
                     index=len(passages),
                     char_start=segment.char_start + start,
                     char_end=segment.char_start + end,
                     text=segment.text[start:end],
-                    n_tokens=max(1, math.ceil((end - start) * density)),
+                    shown=shown,
+                    n_tokens=max(1, math.ceil(len(shown) * density)),
                     document=segment.document.label if segment.document else None,
                 )
             )
@@ -105,6 +121,6 @@ def render_passages(passages: Sequence[Passage]) -> str:
     """The passages as the answer prompt shows them: numbered, in document order; in a
     collection each after its document's label."""
     return "\n\n".join(
-        f"[{number}] {f'({p.document}) ' if p.document else ''}{p.text}"
+        f"[{number}] {f'({p.document}) ' if p.document else ''}{p.shown}"
         for number, p in enumerate(passages, 1)
     )

@@ -65,6 +65,10 @@ REREAD_FINAL = """You are presented with passages of a long document found again
 Format your response as follows: "Therefore, the answer is (insert answer here)".
 """  # noqa: E501, W291
 REREAD_DIGEST = hashlib.sha256((REREAD_FINAL + PASSAGE_RANKING).encode()).hexdigest()[:12]
+# The re-read's digests under its earlier wordings and rankings: a chain that re-read under one
+# of them read its segments as one does now, so a chain re-reading now starts its answer step
+# from that chain's final memory (`MethodConfig.memory_identities`).
+EARLIER_REREAD_DIGESTS = ("5ecc825612da",)
 
 # The tags that delimit untrusted text inside the templates; document text must not contain them.
 STRUCTURE_TAGS = (

@@ -24,7 +24,7 @@ from connectors.state.store import StateStore
 from operators.config import MethodConfig
 from operators.core.document import PlannedChain
 from pipeline.evaluation.samples import EvalSample
-from pipeline.resume import chain_key
+from pipeline.resume import chain_key, memory_keys
 
 CHECKPOINTS_FILE = "checkpoints.sqlite"
 RUN_ID = "eval"
@@ -66,6 +66,10 @@ class EvalCheckpoints:
     def key(self, sample: EvalSample, method: MethodConfig) -> str:
         content_sha256 = hashlib.sha256(sample.document.encode()).hexdigest()
         return chain_key(content_sha256, sample.question, self.engine, method)
+
+    def memory_keys(self, sample: EvalSample, method: MethodConfig) -> tuple[str, ...]:
+        content_sha256 = hashlib.sha256(sample.document.encode()).hexdigest()
+        return memory_keys(content_sha256, sample.question, self.engine, method)
 
     def plan(self, samples: Iterable[tuple[EvalSample, int]], method: MethodConfig) -> list[str]:
         """Records each sample's chain, given the sample and its number of segments; returns

@@ -39,7 +39,7 @@ from operators.core.collection import (
 from operators.core.document import Document
 from operators.core.evidence import find_evidence, text_segments
 from operators.core.extraction import extract_answer, strip_thinking
-from operators.core.retrieval import render_passages, select_passages, split_passages
+from operators.core.retrieval import as_printed, render_passages, select_passages, split_passages
 from operators.core.scoring import score
 from operators.core.segmentation import (
     Segment,
@@ -316,21 +316,24 @@ async def _run_memstream(
         config,
     )
     to_run = dict(zip(keys, prepared, strict=True))  # a sample given twice runs once
-    # A re-reading method starts from the final memory of the same method without re-read,
-    # where an earlier configuration of this run (or a resumed one) left it.
+    # A re-reading method starts from the final memory of the same method without re-read (or
+    # re-read under an earlier wording), where an earlier configuration of this run (or a
+    # resumed one) left it.
     memory_from = {
-        key: checkpoints.key(sample, dataclasses.replace(config, reread_tokens=0))
+        key: checkpoints.memory_keys(sample, config)
         for key, sample in zip(keys, samples, strict=True)
-        if config.reread_tokens
     }
     before = await checkpoints.call(checkpoints.chains, to_run)
-    memories = await checkpoints.call(checkpoints.chains, set(memory_from.values()))
+    sources = {source for keys_of_one in memory_from.values() for source in keys_of_one}
+    memories = await checkpoints.call(checkpoints.chains, sources)
     reused = {
         key
-        for key, source in memory_from.items()
+        for key, keys_of_one in memory_from.items()
         if before[key]["steps_done"] == 0
-        and source in memories
-        and memories[source]["steps_done"] >= len(to_run[key].segments)
+        and any(
+            source in memories and memories[source]["steps_done"] >= len(to_run[key].segments)
+            for source in keys_of_one
+        )
     }
     earlier = sum(chain["steps_done"] for chain in before.values())
     progress.planned(
@@ -357,7 +360,7 @@ async def _run_memstream(
                     key,
                     document.chains[0].question,
                     document.segments,
-                    memory_from=memory_from.get(key),
+                    memory_from=memory_from.get(key, ()),
                 ),
                 started_runner,
                 chain_config,
@@ -442,7 +445,7 @@ def build_rag_prompt(
         tokenized = tokenize(sample.sample_id, sample.document, tokenizer)
         segments = segment(tokenized, tokenizer, segmentation)
     budget = settings.chunk_size + settings.max_memory_tokens
-    passages = select_passages(split_passages(segments), sample.question, budget)
+    passages = select_passages(split_passages(segments, show=as_printed), sample.question, budget)
     prompt = DIRECT_TEMPLATE.format(
         document=defang(render_passages(passages)), question=defang(sample.question)
     )

@@ -99,7 +99,7 @@ class MemoryStage:
             chain.question,
             segments,
             document.page_starts or None,
-            memory_from=self.run.memory_key(document.content_sha256 or "", chain.question),
+            memory_from=self.run.memory_keys(document.content_sha256 or "", chain.question),
         )
         outcome = await resume_chain(
             work, self._chain_runner, self.chain_config, self.store, self._in_store

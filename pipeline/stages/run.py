@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 from connectors.engines.factory import EngineSpec
@@ -12,7 +12,7 @@ from connectors.state.records import DocumentRecord, ErrorRecord
 from connectors.state.store import StateStore
 from operators.config import DocumentLimits, MethodConfig
 from operators.core.document import Document
-from pipeline.resume import chain_key
+from pipeline.resume import chain_key, memory_keys
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,10 @@ class RunContext:
     def chain_key(self, content_sha256: str, question: str) -> str:
         return chain_key(content_sha256, question, self.engine, self.method)
 
-    def memory_key(self, content_sha256: str, question: str) -> str | None:
-        """With a re-read budget: the key of the same chain answered from its memory alone,
-        whose final memory a re-reading chain starts its answer step from (ChainWork)."""
-        if not self.method.reread_tokens:
-            return None
-        alone = replace(self.method, reread_tokens=0)
-        return chain_key(content_sha256, question, self.engine, alone)
+    def memory_keys(self, content_sha256: str, question: str) -> tuple[str, ...]:
+        """With a re-read budget: the keys of the same chain answered another way, whose final
+        memory a re-reading chain starts its answer step from (ChainWork)."""
+        return memory_keys(content_sha256, question, self.engine, self.method)
 
     def record_of(self, document: Document) -> DocumentRecord:
         """The state store's row for a planned document (or collection) of this run."""
