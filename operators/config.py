@@ -145,7 +145,7 @@ class MethodConfig:
         """The identities of chains whose memory steps are this method's, answered another way:
         from the memory alone, or re-read under an earlier wording. A re-reading chain that has
         run no step starts its answer step from the final memory of the first of them that read
-        every segment, so a re-read costs one call, not the whole chain again. None for a
+        every segment, so a re-read costs one call, not the whole chain again. Empty for a
         method that does not re-read."""
         if not self.reread_tokens:
             return []

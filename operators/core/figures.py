@@ -185,7 +185,10 @@ def is_table_row(line: str, next_line: str = "") -> bool:
     )
 
 
-_HEADED_CELL = re.compile(r"(?:(.*?) )?((?:\$ )?(?:\(?-?\d[\d,]*(?:\.\d+)?\)?|[\u2014\u2013-]+)%?)")
+# A value cell of a row written with its column headers (operators.parsing.pdf_headers writes
+# them): 39,669, (1,234), 12.5, or a dash for nothing; "$ " before it and "%" after it attach.
+HEADED_VALUE = r"\(?-?\d[\d,]*(?:\.\d+)?\)?|[\u2014\u2013-]+"
+_HEADED_CELL = re.compile(rf"(?:(.*?) )?((?:\$ )?(?:{HEADED_VALUE})%?)")
 
 
 def cells_as_lines(text: str) -> str:

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# A value cell: 39,669, (1,234), 12.5, or a dash for nothing; "$" and "%" attach to it.
-_VALUE = re.compile(r"\(?-?\d[\d,]*(?:\.\d+)?\)?|[\u2014\u2013-]+")
+from operators.core.figures import HEADED_VALUE
+
+_VALUE = re.compile(HEADED_VALUE)
 _YEAR = re.compile(r"(?:19|20)\d\d")
 # Header lines above a table: at most this many a column, each at most this long (a longer line
 # is prose).
