@@ -47,6 +47,10 @@ LOCK_FILE := infra/requirements.lock
 # accepted advisories, each with a reason, in infra/audit-allowlist.toml. Needs api.osv.dev
 # (AUDIT_ARGS=--osv-url URL for a mirror); exits 2 with one line when it cannot reach it.
 AUDIT_ARGS ?=
+# `make test` on TEST_WORKERS processes, a test file at a time each (pytest-xdist), the files
+# that take minutes first (tests/conftest.py). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
+TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -69,7 +73,7 @@ demo: setup-runtime
 test: setup models docs
 	bash infra/services/postgres.sh install
 	bash infra/services/chromium.sh install
-	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q -ra --durations=30
+	PYTHONFAULTHANDLER=1 $(BIN)/pytest -q -ra --durations=30 $(TEST_PARALLEL)
 
 test-fast: setup
 	bash infra/services/chromium.sh install
