@@ -60,7 +60,7 @@ TITLES = {
     "prefill_decode": "Prefill and decode speed",
     "prompt_lookup": "Prompt lookup",
     "reread_recall": "Re-read: is the figure shown to the model?",
-    "reread_rendering": "Re-read: table rows shown one cell a line",
+    "reread_rendering": "Re-read: how the answer step shows its passages",
     "run": "make bench summary",
     "scaling": "Scaling with length",
     "soak": "Soak test of the endpoint",

@@ -1,16 +1,17 @@
-"""How should the answer step show a table row? Saved `sec10q` runs' answer steps replayed on the
-real engine, paired: each question's final memory and the passages a re-read chooses, with
-rows as the parser writes them ("AWS, Operating income: Three Months Ended
-June 30, 2022 $ 5,715; Three Months Ended June 30, 2023 $ 5,365; ...") and with each cell on a
-line of its own after its row's label and column header ("AWS, Operating income, Three Months
-Ended June 30, 2023: $ 5,365"), each chosen within the budget by what it shows. The memory is
-shown as the model wrote it in both. Only the answer step runs: the memories come from each run's
-results.json, so a cell costs one model call a question.
+"""How should the answer step show a table row, and in what order its passages? Saved `sec10q`
+runs' answer steps replayed on the real engine, paired: each question's final memory and the
+passages a re-read chooses, with rows as the parser writes them ("AWS, Operating income: Three
+Months Ended June 30, 2022 $ 5,715; Three Months Ended June 30, 2023 $ 5,365; ...") and with
+each cell on a line of its own after its row's label and column header ("AWS, Operating income,
+Three Months Ended June 30, 2023: $ 5,365"), each chosen within the budget by what it shows; and
+the cells with the passages best last, nearest the memory and the question, instead of in
+document order. The memory is shown as the model wrote it in each. Only the answer step runs:
+the memories come from each run's results.json, so a cell costs one model call a question.
 
     .venv/bin/python bench/reread_rendering.py --runs bench/results/eval-sec10q/headed-0.5b \
         [--method memstream:verified-quotes+reread6000] [--split tune] [--samples N]
 
-Results: bench/results/reread_rendering-SPLIT.json and .md, with the CPU and the dtype.
+Results: bench/results/reread_rendering-[VARIANT-]SPLIT.json and .md, with the CPU and the dtype.
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ from operators.core.templates import INITIAL_MEMORY, get_template_set
 from operators.engine import GenerationRequest
 from pipeline.corpora.sec10q import load_filings, load_questions
 
-RENDERINGS = {"rows": as_printed, "cells": cells_as_lines}
+# How each passage is shown, and whether the passages come in document order or best last
+# (nearest the memory and the question).
+RENDERINGS = {
+    "rows": (as_printed, False),
+    "cells": (cells_as_lines, False),
+    "cells-best-last": (cells_as_lines, True),
+}
 SPLITS = {"tune": "sec10q-tune-", "heldout": "sec10q-2023q2-"}
 
 
@@ -96,6 +103,9 @@ def main() -> int:
     parser.add_argument("--split", choices=sorted(SPLITS), default="tune")
     parser.add_argument("--samples", type=int, default=None, help="the first N questions")
     parser.add_argument(
+        "--variant", default="", help="results in reread_rendering-VARIANT-SPLIT.json and .md"
+    )
+    parser.add_argument(
         "--renderings", type=lambda text: text.split(","), default=list(RENDERINGS),
         help=f"of {', '.join(RENDERINGS)}; the saved run's answers are the rows' where "
         "the replay reproduces them",
@@ -128,9 +138,9 @@ def main() -> int:
         memory = prediction["final_memory"] or ""
         hints = "" if memory.strip() == INITIAL_MEMORY else memory
         for name in args.renderings:
-            show = RENDERINGS[name]
+            show, best_last = RENDERINGS[name]
             passages = split_passages(segments[question.filing], show=show)
-            reread = select_passages(passages, prediction["question"], budget, hints)
+            reread = select_passages(passages, prediction["question"], budget, hints, best_last)
             prompts[question.id, name] = templates.render_reread(
                 prediction["question"], memory, render_passages(reread)
             )
@@ -155,7 +165,8 @@ def main() -> int:
         "calls": len(prompts), "renderings": args.renderings, "rows": rows,
     }  # fmt: skip
     markdown = report(payload)
-    common.write_results(f"reread_rendering-{args.split}", payload, markdown)
+    name = "-".join(["reread_rendering", *filter(None, [args.variant]), args.split])
+    common.write_results(name, payload, markdown)
     print(markdown)
     return 0
 

@@ -92,6 +92,11 @@ def test_selection_ranks_by_the_query_and_keeps_the_budget_and_document_order() 
     assert [p.index for p in chosen] == sorted(p.index for p in chosen)
     assert select_passages(passages, "zebra giraffe", budget_tokens=1000) == []
     assert select_passages(passages, "iPhone", budget_tokens=0) == []
+    everything = sum(p.n_tokens for p in passages)
+    in_order = select_passages(passages, "iPhone net sales committee", everything)
+    best_last = select_passages(passages, "iPhone net sales committee", everything, best_last=True)
+    assert len(in_order) > 1 and sorted(best_last, key=lambda p: p.index) == in_order
+    assert "39,669" in best_last[-1].text and best_last != in_order
 
 
 def test_the_memory_helps_rank_but_cannot_outvote_the_question() -> None:
@@ -167,9 +172,10 @@ def test_chain_keys_without_re_read_are_unchanged_and_a_budget_makes_new_ones() 
 def test_a_new_re_read_wording_keeps_the_earlier_one_s_digest() -> None:
     """Reworded or re-ranked: put the old digest in EARLIER_REREAD_DIGESTS, so the chains
     re-read under it lend their final memories, then pin the new one here."""
-    assert REREAD_DIGEST == "5fe50b94e90f"
+    assert REREAD_DIGEST == "01cc6b94a175"
     assert REREAD_DIGEST not in EARLIER_REREAD_DIGESTS
     assert "5ecc825612da" in EARLIER_REREAD_DIGESTS  # re-read's first wording
+    assert "5fe50b94e90f" in EARLIER_REREAD_DIGESTS  # table cells one a line, document order
 
 
 def test_the_answer_step_must_fit_the_window(tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -167,10 +167,12 @@ class MemoryChain:
 
     def passages_to_reread(self) -> list[Passage]:
         """The passages the question and the final memory point to (its quotes, names and
-        figures), within the re-read budget, in document order."""
+        figures), within the re-read budget, the best one last: nearest the memory and the
+        question in the answer prompt."""
         memory = self.memory if self.memory != self.config.templates.initial_memory else ""
+        passages = split_passages(self.segments)
         return select_passages(
-            split_passages(self.segments), self.question, self.config.reread_tokens, hints=memory
+            passages, self.question, self.config.reread_tokens, hints=memory, best_last=True
         )
 
     def submit(self, reply: str) -> None:

@@ -25,7 +25,8 @@ HINT_WEIGHT = 0.3
 # Names the ranking rule and how a passage is shown inside the re-read's digest: a change to
 # either re-runs answer steps (and `templates.EARLIER_REREAD_DIGESTS` gets the old digest).
 PASSAGE_RANKING = (
-    f"bm25 {PASSAGE_WORDS} words, question + {HINT_WEIGHT} x memory; table cells one a line"
+    f"bm25 {PASSAGE_WORDS} words, question + {HINT_WEIGHT} x memory; table cells one a line;"
+    " the best passage last"
 )
 _WORD = re.compile(r"\S+")
 
@@ -76,10 +77,14 @@ def split_passages(
 
 
 def select_passages(
-    passages: Sequence[Passage], query: str, budget_tokens: int, hints: str = ""
+    passages: Sequence[Passage],
+    query: str,
+    budget_tokens: int,
+    hints: str = "",
+    best_last: bool = False,
 ) -> list[Passage]:
     """The passages that best match `query` (BM25, English stop words dropped), best first until
-    `budget_tokens` is spent, returned in document order.
+    `budget_tokens` is spent, returned in document order (`best_last`: the best one last).
 
     `hints` (a chain's final memory) add to the ranking at `HINT_WEIGHT` of the query's: each
     score is divided by its best before they are added, so a long memory cannot outvote the
@@ -108,7 +113,7 @@ def select_passages(
         if spent + passage.n_tokens <= budget_tokens:
             chosen.append(passage)
             spent += passage.n_tokens
-    return sorted(chosen, key=lambda passage: passage.index)
+    return chosen[::-1] if best_last else sorted(chosen, key=lambda passage: passage.index)
 
 
 def _terms(tokenized: object) -> list[str]:
@@ -118,7 +123,7 @@ def _terms(tokenized: object) -> list[str]:
 
 
 def render_passages(passages: Sequence[Passage]) -> str:
-    """The passages as the answer prompt shows them: numbered, in document order; in a
+    """The passages as the answer prompt shows them: numbered in the order given; in a
     collection each after its document's label."""
     return "\n\n".join(
         f"[{number}] {f'({p.document}) ' if p.document else ''}{p.shown}"

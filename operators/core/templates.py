@@ -68,7 +68,7 @@ REREAD_DIGEST = hashlib.sha256((REREAD_FINAL + PASSAGE_RANKING).encode()).hexdig
 # The re-read's digests under its earlier wordings and rankings: a chain that re-read under one
 # of them read its segments as one does now, so a chain re-reading now starts its answer step
 # from that chain's final memory (`MethodConfig.memory_identities`).
-EARLIER_REREAD_DIGESTS = ("5ecc825612da",)
+EARLIER_REREAD_DIGESTS = ("5ecc825612da", "5fe50b94e90f")
 
 # The tags that delimit untrusted text inside the templates; document text must not contain them.
 STRUCTURE_TAGS = (
