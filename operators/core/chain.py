@@ -170,9 +170,12 @@ class MemoryChain:
         figures), within the re-read budget, the best one last: nearest the memory and the
         question in the answer prompt."""
         memory = self.memory if self.memory != self.config.templates.initial_memory else ""
-        passages = split_passages(self.segments)
         return select_passages(
-            passages, self.question, self.config.reread_tokens, hints=memory, best_last=True
+            split_passages(self.segments),
+            self.question,
+            self.config.reread_tokens,
+            hints=memory,
+            best_last=True,
         )
 
     def submit(self, reply: str) -> None:
