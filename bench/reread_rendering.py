@@ -5,7 +5,9 @@ Months Ended June 30, 2022 $ 5,715; Three Months Ended June 30, 2023 $ 5,365; ..
 each cell on a line of its own after its row's label and column header ("AWS, Operating income,
 Three Months Ended June 30, 2023: $ 5,365"), each chosen within the budget by what it shows; and
 the cells with the passages best last, nearest the memory and the question, instead of in
-document order. The memory is shown as the model wrote it in each. Only the answer step runs:
+document order; and each row narrowed to the cells of the period the question asks for
+("... three months ended June 30, 2023?" keeps that quarter's cell), in the passages alone or
+in the memory too. The memory is otherwise shown as the model wrote it. Only the answer step runs:
 the memories come from each run's results.json, so a cell costs one model call a question.
 
     .venv/bin/python bench/reread_rendering.py --runs bench/results/eval-sec10q/headed-0.5b \
@@ -18,9 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +35,75 @@ from reread_recall import question_of
 from connectors.engines.factory import EngineSpec, load_tokenizer, open_engine
 from operators.config import MethodConfig
 from operators.core.extraction import extract_answer
-from operators.core.figures import cells_as_lines, states_figure
+from operators.core.figures import (
+    cells_as_lines,
+    headed_cells,
+    other_period,
+    period_keys,
+    states_figure,
+)
 from operators.core.retrieval import as_printed, render_passages, select_passages, split_passages
 from operators.core.segmentation import SegmentationConfig, segment, tokenize
 from operators.core.templates import INITIAL_MEMORY, get_template_set
 from operators.engine import GenerationRequest
 from pipeline.corpora.sec10q import load_filings, load_questions
 
-# How each passage is shown, and whether the passages come in document order or best last
-# (nearest the memory and the question).
+
+def _as_printed(text: str, question: str) -> str:
+    return as_printed(text)
+
+
+def _all_cells(text: str, question: str) -> str:
+    return cells_as_lines(text)
+
+
+def _cells_of_the_asked_period(text: str, question: str) -> str:
+    """Each cell on a line, a row showing only the cells of the period the question asks for
+    where its headers tell periods apart (`figures.other_period`, the grounding check's rule): a
+    cell under no period ("% Change") stays, and a row with no cell of that period keeps all."""
+    asked = period_keys(question.lower())
+    lines = []
+    for line in text.split("\n"):
+        row = headed_cells(line)
+        if row is None:
+            lines.append(line)
+            continue
+        label, cells = row
+        headers = "; ".join(header for header, _ in cells).lower()
+        kept = [
+            (header, value)
+            for header, value in cells
+            if not period_keys(header.lower()) or not other_period(header.lower(), headers, asked)
+        ]
+        if not any(period_keys(header.lower()) for header, _ in kept):
+            kept = cells
+        lines.extend(
+            f"{label}, {header}: {value}" if header else f"{label}: {value}"
+            for header, value in kept
+        )
+    return "\n".join(lines)
+
+
+def _as_written(memory: str, question: str) -> str:
+    return memory
+
+
+@dataclass(frozen=True)
+class Rendering:
+    show: Callable[[str, str], str]  # a passage's text, given the question
+    best_last: bool  # the passages best last (nearest the memory and the question), or in order
+    memory: Callable[[str, str], str] = _as_written  # the final memory, given the question
+
+
 RENDERINGS = {
-    "rows": (as_printed, False),
-    "cells": (cells_as_lines, False),
-    "cells-best-last": (cells_as_lines, True),
+    "rows": Rendering(_as_printed, best_last=False),
+    "cells": Rendering(_all_cells, best_last=False),
+    "cells-best-last": Rendering(_all_cells, best_last=True),
+    # A row shows only the cells of the period the question asks for: tried, and it lost.
+    "asked-cells": Rendering(_cells_of_the_asked_period, best_last=True),
+    "asked-cells-memory": Rendering(
+        _cells_of_the_asked_period, best_last=True, memory=_cells_of_the_asked_period
+    ),
 }
 SPLITS = {"tune": "sec10q-tune-", "heldout": "sec10q-2023q2-"}
 
@@ -137,12 +198,14 @@ def main() -> int:
     for prediction, question in chosen:
         memory = prediction["final_memory"] or ""
         hints = "" if memory.strip() == INITIAL_MEMORY else memory
+        asked = prediction["question"]
         for name in args.renderings:
-            show, best_last = RENDERINGS[name]
+            rendering = RENDERINGS[name]
+            show = functools.partial(rendering.show, question=asked)
             passages = split_passages(segments[question.filing], show=show)
-            reread = select_passages(passages, prediction["question"], budget, hints, best_last)
+            reread = select_passages(passages, asked, budget, hints, rendering.best_last)
             prompts[question.id, name] = templates.render_reread(
-                prediction["question"], memory, render_passages(reread)
+                asked, rendering.memory(memory, asked), render_passages(reread)
             )
     started = time.perf_counter()
     replies = asyncio.run(replay(spec, prompts, results["settings"]["max_answer_tokens"]))

@@ -104,7 +104,14 @@ from rapidfuzz import fuzz
 from operators.core.collection import has_documents, strip_labels
 from operators.core.dates import asks_for_date, date_sites, find_dates
 from operators.core.extraction import STOP_WORDS, normalize_answer
-from operators.core.figures import Figure, find_figures, is_table_row, same_figure
+from operators.core.figures import (
+    Figure,
+    find_figures,
+    is_table_row,
+    other_period,
+    period_keys,
+    same_figure,
+)
 from operators.core.segmentation import Segment
 from operators.core.templates import INITIAL_MEMORY
 
@@ -184,13 +191,6 @@ _PERIOD_ENDS = PERIOD_WORDS - frozenset(_DURATION_WORDS.split())
 _ASKS_FOR_A_PERIOD = frozenset({"when", "period", "periods", "quarter", "quarters", "year"})
 _LETTERS = re.compile(r"[^\W\d_]+")
 # What tells a table's period columns apart: a year, or the span of months.
-_PERIOD_KEYS = re.compile(r"\b(?:19|20)\d\d\b|\b(?:three|six|nine|twelve|q[1-4]|ytd|quarter)\b")
-# What a period's words mean: a filing heads a quarter's column "Three Months Ended Jul 1, 2023"
-# or "Q2 2023", and the year so far "Six Months Ended ..." or "YTD 2023".
-_PERIOD_SPANS = {
-    **dict.fromkeys(("three", "q1", "q2", "q3", "q4"), "quarter"),
-    **dict.fromkeys(("six", "nine"), "ytd"),
-}
 _SCALE_READINGS = (1.0, 1e3, 1e6, 1e9)  # a printed figure's scale is in a heading far away
 # A question that asks for money, or for money or a share: a bare number answering it is an
 # amount too, and a percentage printed is no amount of money.
@@ -777,7 +777,7 @@ def _figure_sites(
     terms = [t for t in _question_terms(question, dropped) if not t.isdigit()]
     counts = {t: n for t in terms if (n := len(_term_positions(corpus, t)))}
     keys = {t for t in counts if counts[t] <= KEY_TERM_SPREAD * min(counts.values())}
-    asked = _period_keys(question.lower())
+    asked = period_keys(question.lower())
     money = bool(_ASKS_FOR_MONEY.search(question)) and not stated.percent
     printed = [
         f for f in find_figures(corpus.text) if _states(stated, f) and not (money and f.percent)
@@ -792,7 +792,7 @@ def _figure_sites(
         needed = 1 if is_row else min(FIGURE_SENTENCE_MIN_TERMS, len(counts))
         if not keys.intersection(near) or len(near) < needed:
             continue
-        if cells and _other_period(cell, cells, asked):
+        if cells and other_period(cell, cells, asked):
             continue
         if is_row and not cells and not _first_amount(record, figure.start - start):
             continue
@@ -822,19 +822,6 @@ def _headed_parts(row: str, at: int) -> tuple[str, str, str]:
     if not colon or at < len(label) + len(colon):
         return "", "", ""
     return label, row[max(row.rfind("; ", 0, at), len(label)) : at], cells
-
-
-def _other_period(cell: str, cells: str, asked: set[str]) -> bool:
-    """Whether a cell sits under another period than the question asks for: a year or a span
-    ("three months" or "Q2", "six months" or "YTD") that the question names and that tells the
-    row's columns apart is missing from the cell's header."""
-    told_apart = asked & _period_keys(cells)
-    return bool(told_apart - _period_keys(cell))
-
-
-def _period_keys(text: str) -> set[str]:
-    """The years and spans (a quarter, the year to date, twelve months) that `text` names."""
-    return {_PERIOD_SPANS.get(key, key) for key in _PERIOD_KEYS.findall(text)}
 
 
 def _is_bare(answer: str) -> bool:

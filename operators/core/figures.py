@@ -199,14 +199,45 @@ def cells_as_lines(text: str) -> str:
     row. Other lines are kept as they are."""
     lines = []
     for line in text.split("\n"):
-        label, _, cells = line.partition(": ")
-        parsed = [_HEADED_CELL.fullmatch(cell) for cell in cells.split("; ")]
-        if not _HEADED_ROW.fullmatch(line) or not all(parsed):
+        row = headed_cells(line)
+        if row is None:
             lines.append(line)
             continue
+        label, cells = row
         lines.extend(
-            f"{label}, {cell[1]}: {cell[2]}" if cell[1] else f"{label}: {cell[2]}"
-            for cell in parsed
-            if cell
+            f"{label}, {header}: {value}" if header else f"{label}: {value}"
+            for header, value in cells
         )
     return "\n".join(lines)
+
+
+def headed_cells(line: str) -> tuple[str, list[tuple[str, str]]] | None:
+    """A row written with its column headers, as its label and its (header, value) cells (the
+    header is empty where the parser found none); None for any other line."""
+    label, _, cells = line.partition(": ")
+    parsed = [_HEADED_CELL.fullmatch(cell) for cell in cells.split("; ")]
+    if not _HEADED_ROW.fullmatch(line) or not all(parsed):
+        return None
+    return label, [(cell[1] or "", cell[2]) for cell in parsed if cell]
+
+
+_PERIOD_KEYS = re.compile(r"\b(?:19|20)\d\d\b|\b(?:three|six|nine|twelve|q[1-4]|ytd|quarter)\b")
+# What a period's words mean: a filing heads a quarter's column "Three Months Ended Jul 1, 2023"
+# or "Q2 2023", and the year so far "Six Months Ended ..." or "YTD 2023".
+_PERIOD_SPANS = {
+    **dict.fromkeys(("three", "q1", "q2", "q3", "q4"), "quarter"),
+    **dict.fromkeys(("six", "nine"), "ytd"),
+}
+
+
+def other_period(cell: str, cells: str, asked: set[str]) -> bool:
+    """Whether a cell sits under another period than the question asks for: a year or a span
+    ("three months" or "Q2", "six months" or "YTD") that the question names and that tells the
+    row's columns apart is missing from the cell's header."""
+    told_apart = asked & period_keys(cells)
+    return bool(told_apart - period_keys(cell))
+
+
+def period_keys(text: str) -> set[str]:
+    """The years and spans (a quarter, the year to date, twelve months) that `text` names."""
+    return {_PERIOD_SPANS.get(key, key) for key in _PERIOD_KEYS.findall(text)}
