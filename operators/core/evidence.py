@@ -190,7 +190,6 @@ _DURATION_WORDS = "three six nine twelve month months year years quarter quarter
 _PERIOD_ENDS = PERIOD_WORDS - frozenset(_DURATION_WORDS.split())
 _ASKS_FOR_A_PERIOD = frozenset({"when", "period", "periods", "quarter", "quarters", "year"})
 _LETTERS = re.compile(r"[^\W\d_]+")
-# What tells a table's period columns apart: a year, or the span of months.
 _SCALE_READINGS = (1.0, 1e3, 1e6, 1e9)  # a printed figure's scale is in a heading far away
 # A question that asks for money, or for money or a share: a bare number answering it is an
 # amount too, and a percentage printed is no amount of money.

@@ -221,6 +221,7 @@ def headed_cells(line: str) -> tuple[str, list[tuple[str, str]]] | None:
     return label, [(cell[1] or "", cell[2]) for cell in parsed if cell]
 
 
+# What tells a table's period columns apart: a year, or the span of months.
 _PERIOD_KEYS = re.compile(r"\b(?:19|20)\d\d\b|\b(?:three|six|nine|twelve|q[1-4]|ytd|quarter)\b")
 # What a period's words mean: a filing heads a quarter's column "Three Months Ended Jul 1, 2023"
 # or "Q2 2023", and the year so far "Six Months Ended ..." or "YTD 2023".
