@@ -46,6 +46,7 @@ Page = str | Path
 # bench script -> what its results page is called (the variant of the results file follows)
 TITLES = {
     "accuracy_matrix": "Accuracy by model and memory strategy",
+    "answer_replay": "Answer steps replayed on a saved evaluation",
     "bench_serving": "Serving overhead",
     "corpus_efficiency": "Corpus-scale scheduling",
     "demo_strategies": "Demo facts by memory strategy",

@@ -1,6 +1,6 @@
 """One `memstream eval` run: each task's samples, built once per run (`SampleBuilders`), every
 configuration run on an open engine (`evaluate`), and a finished run's answers scored again
-(`regrade_results`).
+(`regrade_results`, from the run rebuilt by `saved_run`).
 
 The command line (`pipeline.cli.evaluate`) opens the engine, shows the progress and prints the
 report; the listener it gives `evaluate` rewrites results.json and results.md after each
@@ -137,12 +137,12 @@ async def evaluate(
         metadata["elapsed_s"] = round(time.perf_counter() - started, 1)
 
 
-def regrade_results(
+def saved_run(
     output: Path, corpora_root: Path
-) -> tuple[EvalRequest, dict[str, Any], SuiteOutcome, Regraded]:
-    """The run in `output` scored again (see pipeline.evaluation.regrade): its request, rebuilt
-    from its metadata; the metadata, stamped regraded_at; the re-graded outcome; and what
-    changed. Writes nothing."""
+) -> tuple[EvalRequest, dict[str, Any], SuiteOutcome, Callable[[str, str], list[EvalSample]]]:
+    """The finished run in `output`: its request, rebuilt from its metadata; the metadata; its
+    outcome as saved; and `build(task, length_label)`, which rebuilds that cell's samples exactly
+    (same corpora, tokenizer, seed and sizes)."""
     metadata, outcome = read_results(output / RESULTS_JSON)
     lengths = {length["label"]: LengthSpec(**length) for length in metadata["lengths"]}
     request = EvalRequest(
@@ -159,7 +159,17 @@ def regrade_results(
     )
     tokenizer = load_tokenizer(EngineSpec(model=metadata["model"]))
     builders = SampleBuilders(request, tokenizer).by_task()
-    regraded = regrade(outcome.predictions, lambda task, label: builders[task](lengths.get(label)))
+    return request, metadata, outcome, lambda task, label: builders[task](lengths.get(label))
+
+
+def regrade_results(
+    output: Path, corpora_root: Path
+) -> tuple[EvalRequest, dict[str, Any], SuiteOutcome, Regraded]:
+    """The run in `output` scored again (see pipeline.evaluation.regrade): its request, rebuilt
+    from its metadata; the metadata, stamped regraded_at; the re-graded outcome; and what
+    changed. Writes nothing."""
+    request, metadata, outcome, build = saved_run(output, corpora_root)
+    regraded = regrade(outcome.predictions, build)
     outcome = SuiteOutcome(predictions=regraded.predictions, runs=outcome.runs)
     metadata["regraded_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"
