@@ -96,18 +96,18 @@ def main() -> int:
     if method.template is None or method.combined:
         raise SystemExit(f"{args.method}: replays the answer step of a memstream method")
     request, metadata, outcome, build = saved_run(args.run, common.CORPORA)
-    saved = [
+    answered = [
         prediction
-        for prediction in regrade(outcome.predictions, build).predictions
+        for prediction in outcome.predictions
         if prediction.method == method.name and prediction.status == "ok"
     ][: args.samples]
-    if not saved:
+    if not answered:
         raise SystemExit(f"no answered samples of {method.name} in {args.run}")
-    samples = {
-        sample_key(sample): sample
-        for task, label in dict.fromkeys((p.task, p.length_label) for p in saved)
-        for sample in build(task, label)
+    cells = {
+        cell: build(*cell) for cell in dict.fromkeys((p.task, p.length_label) for p in answered)
     }
+    saved = regrade(answered, lambda task, label: cells[task, label]).predictions
+    samples = {sample_key(sample): sample for cell in cells.values() for sample in cell}
     config = request.settings.method_config(method.template, method.reread_tokens)
     spec = EngineSpec(
         model=metadata["model"],
