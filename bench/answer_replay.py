@@ -23,28 +23,11 @@ from typing import Any
 
 import common
 
-from connectors.engines.factory import EngineSpec, load_tokenizer, open_engine
+from connectors.engines.factory import EngineSpec, load_tokenizer
 from operators.core.chain import MemoryChain
-from operators.engine import GenerationRequest
 from pipeline.evaluation.execution import EvalMethod, grade, prepare_sample
 from pipeline.evaluation.regrade import regrade, sample_key
 from pipeline.evaluation.run import saved_run
-
-
-async def answer_all(spec: EngineSpec, chains: list[MemoryChain]) -> float:
-    """Runs every chain's answer step on one engine; returns the seconds it took."""
-    engine = open_engine(spec)
-    started = time.perf_counter()
-    try:
-        for chain in chains:  # one at a time: the CPU engine has no spare core
-            step = chain.next_request()
-            assert step is not None
-            request = GenerationRequest(step.request_id, step.prompt, step.max_tokens)
-            chain.submit((await engine.generate(request)).text)
-            print(chain.chain_id, repr(chain.answer), flush=True)
-    finally:
-        await engine.shutdown()
-    return time.perf_counter() - started
 
 
 def report(payload: dict[str, Any]) -> str:
@@ -63,7 +46,7 @@ def report(payload: dict[str, Any]) -> str:
         "",
         f"{n} samples of `{payload['method']}`, the answer step as this version builds it, on "
         f"{payload['model']} ({payload['dtype']}) with the run's final memories; "
-        f"{payload['seconds']:.0f} s for {n} calls, one at a time.",
+        f"{payload['seconds']:.0f} s for {n} calls, one at a time, the engine's start included.",
         "",
         *common.table(
             ["answers", "accuracy", "all right", "grounded", "grounded and all right"],
@@ -131,7 +114,15 @@ def main() -> int:
                 start_step=len(segments),
             )
         )
-    seconds = asyncio.run(answer_all(spec, chains))
+    steps = {chain.chain_id: chain.next_request() for chain in chains}
+    prompts = {chain_id: step.prompt for chain_id, step in steps.items() if step is not None}
+    started = time.perf_counter()
+    replies = asyncio.run(
+        common.replay_prompts(spec, prompts, config.max_answer_tokens, config.sampling())
+    )
+    seconds = time.perf_counter() - started
+    for chain in chains:
+        chain.submit(replies[chain.chain_id].text)
     rows = []
     for prediction, chain in zip(saved, chains, strict=True):
         scores = grade(samples[sample_key(prediction)], chain.answer, chain.raw_response,

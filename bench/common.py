@@ -9,18 +9,19 @@ import json
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import psutil
 
 from connectors.engines import models
+from connectors.engines.factory import EngineSpec, open_engine
 from connectors.engines.hardware import DTYPES, detect, resolve_dtype
 from connectors.engines.vllm_local import VLLMEngine, VLLMEngineConfig
 from operators.config import MethodConfig
 from operators.core.chain import ChainStatus, MemoryChain
-from operators.engine import GenerationRequest
+from operators.engine import Completion, GenerationRequest, SamplingConfig
 from operators.runner import ChainResult, ChainRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +32,8 @@ RESULTS = Path(os.environ.get("MEMSTREAM_BENCH_RESULTS") or REPO / "bench" / "re
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # How this project runs an AVX-512 CPU as an AVX2-only one (docs/performance.md)
 ISA_LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+
+Key = TypeVar("Key", bound=Hashable)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -85,6 +88,22 @@ def write_results(
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(markdown + "\n")
     print(markdown)
+
+
+async def replay_prompts(
+    spec: EngineSpec, prompts: dict[Key, str], max_tokens: int, sampling: SamplingConfig
+) -> dict[Key, Completion]:
+    """Each prompt answered on one engine, one at a time (the CPU engine has no spare core)."""
+    engine = open_engine(spec)
+    replies = {}
+    try:
+        for key, prompt in prompts.items():
+            request = GenerationRequest(str(key), prompt, max_tokens, sampling)
+            replies[key] = await engine.generate(request)
+            print(key, repr(replies[key].text[-120:]), flush=True)
+    finally:
+        await engine.shutdown()
+    return replies
 
 
 def bench_parser(doc: str) -> argparse.ArgumentParser:

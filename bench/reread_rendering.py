@@ -32,7 +32,7 @@ from typing import Any
 import common
 from reread_recall import question_of
 
-from connectors.engines.factory import EngineSpec, load_tokenizer, open_engine
+from connectors.engines.factory import EngineSpec, load_tokenizer
 from operators.config import MethodConfig
 from operators.core.extraction import extract_answer
 from operators.core.figures import (
@@ -45,7 +45,6 @@ from operators.core.figures import (
 from operators.core.retrieval import as_printed, render_passages, select_passages, split_passages
 from operators.core.segmentation import SegmentationConfig, segment, tokenize
 from operators.core.templates import INITIAL_MEMORY, get_template_set
-from operators.engine import GenerationRequest
 from pipeline.corpora.sec10q import load_filings, load_questions
 
 
@@ -106,20 +105,6 @@ RENDERINGS = {
     ),
 }
 SPLITS = {"tune": "sec10q-tune-", "heldout": "sec10q-2023q2-"}
-
-
-async def replay(spec: EngineSpec, prompts: dict[tuple[str, str], str], max_tokens: int) -> dict:
-    engine = open_engine(spec)
-    sampling = MethodConfig().sampling()
-    replies = {}
-    try:
-        for key, prompt in prompts.items():  # one at a time: the CPU engine has no spare core
-            request = GenerationRequest(f"{key[0]}-{key[1]}", prompt, max_tokens, sampling)
-            replies[key] = await engine.generate(request)
-            print(key, repr(replies[key].text[-120:]), flush=True)
-    finally:
-        await engine.shutdown()
-    return replies
 
 
 def report(payload: dict[str, Any]) -> str:
@@ -208,7 +193,11 @@ def main() -> int:
                 asked, rendering.memory(memory, asked), render_passages(reread)
             )
     started = time.perf_counter()
-    replies = asyncio.run(replay(spec, prompts, results["settings"]["max_answer_tokens"]))
+    replies = asyncio.run(
+        common.replay_prompts(
+            spec, prompts, results["settings"]["max_answer_tokens"], MethodConfig().sampling()
+        )
+    )
     elapsed = time.perf_counter() - started
     rows = []
     for prediction, question in chosen:
